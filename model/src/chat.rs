@@ -1,0 +1,146 @@
+//! HF chat templates (`tokenizer_config.json` → `chat_template`) rendered with minijinja, set up
+//! the way transformers sets up Jinja2 (`trim_blocks`, `lstrip_blocks`, loop controls,
+//! `raise_exception`, Python string methods), so the same conversation yields the same text.
+
+use std::path::Path;
+
+use minijinja::syntax::SyntaxConfig;
+use minijinja::value::Serde;
+use minijinja::{Environment, ErrorKind, Value};
+use serde::{Deserialize, Serialize};
+
+use crate::{ModelError, Result};
+
+/// One chat message.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Message {
+    pub role: String,
+    pub content: String,
+}
+
+impl Message {
+    pub fn new(role: impl Into<String>, content: impl Into<String>) -> Self {
+        Self {
+            role: role.into(),
+            content: content.into(),
+        }
+    }
+}
+
+/// A compiled chat template with the special-token strings it may refer to.
+pub struct ChatTemplate {
+    env: Environment<'static>,
+    bos_token: String,
+    eos_token: String,
+}
+
+const TEMPLATE_NAME: &str = "chat";
+
+/// `chat_template` may be one string or a list of named templates (the "default" one is used).
+#[derive(Deserialize)]
+#[serde(untagged)]
+enum TemplateField {
+    One(String),
+    Named(Vec<NamedTemplate>),
+}
+
+#[derive(Deserialize)]
+struct NamedTemplate {
+    name: String,
+    template: String,
+}
+
+/// A special token is either its text or an `AddedToken` object with a `content` field.
+#[derive(Deserialize)]
+#[serde(untagged)]
+enum TokenField {
+    Text(String),
+    Added { content: String },
+}
+
+impl TokenField {
+    fn text(self) -> String {
+        match self {
+            Self::Text(t) | Self::Added { content: t } => t,
+        }
+    }
+}
+
+#[derive(Deserialize)]
+struct TokenizerConfig {
+    chat_template: Option<TemplateField>,
+    bos_token: Option<TokenField>,
+    eos_token: Option<TokenField>,
+}
+
+impl ChatTemplate {
+    /// Reads the template from a `tokenizer_config.json`; `Ok(None)` when it has none.
+    pub fn from_tokenizer_config(path: &Path) -> Result<Option<Self>> {
+        let text = std::fs::read_to_string(path).map_err(|e| ModelError::io(path, e))?;
+        let config: TokenizerConfig =
+            serde_json::from_str(&text).map_err(|source| ModelError::Json {
+                path: path.to_path_buf(),
+                source,
+            })?;
+        let template = match config.chat_template {
+            None => return Ok(None),
+            Some(TemplateField::One(t)) => t,
+            Some(TemplateField::Named(list)) => {
+                match list.into_iter().find(|t| t.name == "default") {
+                    Some(t) => t.template,
+                    None => {
+                        return Err(ModelError::Template(format!(
+                        "{}: chat_template lists named templates but none is called \"default\"",
+                        path.display()
+                    )))
+                    }
+                }
+            }
+        };
+        let bos = config.bos_token.map(TokenField::text).unwrap_or_default();
+        let eos = config.eos_token.map(TokenField::text).unwrap_or_default();
+        Self::new(template, bos, eos).map(Some)
+    }
+
+    /// Compiles `template`.
+    pub fn new(template: String, bos_token: String, eos_token: String) -> Result<Self> {
+        let mut env = Environment::new();
+        let syntax = SyntaxConfig::builder()
+            .trim_blocks(true)
+            .lstrip_blocks(true)
+            .build()
+            .map_err(|e| ModelError::Template(e.to_string()))?;
+        env.set_syntax(syntax);
+        env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
+        env.add_function(
+            "raise_exception",
+            |message: String| -> Result<String, minijinja::Error> {
+                Err(minijinja::Error::new(ErrorKind::InvalidOperation, message))
+            },
+        );
+        env.add_template_owned(TEMPLATE_NAME, template)
+            .map_err(|e| ModelError::Template(format!("cannot compile: {e:#}")))?;
+        Ok(Self {
+            env,
+            bos_token,
+            eos_token,
+        })
+    }
+
+    /// The prompt text for `messages`; with `add_generation_prompt` it ends where the assistant's
+    /// reply begins.
+    pub fn render(&self, messages: &[Message], add_generation_prompt: bool) -> Result<String> {
+        let template = self
+            .env
+            .get_template(TEMPLATE_NAME)
+            .map_err(|e| ModelError::Template(e.to_string()))?;
+        template
+            .render(minijinja::context! {
+                messages => Value::from(Serde(messages)),
+                add_generation_prompt => add_generation_prompt,
+                bos_token => &self.bos_token,
+                eos_token => &self.eos_token,
+            })
+            .map_err(|e| ModelError::Template(format!("cannot render: {e:#}")))
+    }
+}

@@ -1,0 +1,56 @@
+//! The error type of the model crate: every variant names the file, tensor or field at fault.
+
+use std::path::PathBuf;
+
+/// Errors from loading, converting or running a target model.
+#[derive(Debug, thiserror::Error)]
+pub enum ModelError {
+    #[error("{path}: {source}")]
+    Io {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("{path}: invalid JSON: {source}")]
+    Json {
+        path: PathBuf,
+        #[source]
+        source: serde_json::Error,
+    },
+    #[error("config {path}: {message}")]
+    Config { path: PathBuf, message: String },
+    #[error("unsupported architecture {name:?}: supported are {supported}")]
+    UnsupportedArchitecture { name: String, supported: String },
+    #[error("safetensors {path}: {message}")]
+    Safetensors { path: PathBuf, message: String },
+    #[error("weight {name}: expected shape {expected:?}, found {found:?}")]
+    Shape {
+        name: String,
+        expected: Vec<i64>,
+        found: Vec<i64>,
+    },
+    #[error("weight {name} is missing from {path}")]
+    MissingWeight { name: String, path: PathBuf },
+    #[error("GGUF {path}: {message}")]
+    Gguf { path: PathBuf, message: String },
+    #[error("tokenizer: {0}")]
+    Tokenizer(String),
+    #[error("chat template: {0}")]
+    Template(String),
+    #[error("invalid input: {0}")]
+    Input(String),
+    #[error("torch: {0}")]
+    Torch(#[from] tch::TchError),
+}
+
+pub type Result<T, E = ModelError> = std::result::Result<T, E>;
+
+impl ModelError {
+    /// An [`ModelError::Io`] for `path`; use with `map_err(|e| ModelError::io(path, e))`.
+    pub fn io(path: impl Into<PathBuf>, source: std::io::Error) -> Self {
+        Self::Io {
+            path: path.into(),
+            source,
+        }
+    }
+}

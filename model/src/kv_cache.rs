@@ -1,0 +1,150 @@
+//! Preallocated key/value cache with O(1) truncation and in-place compaction of accepted tree
+//! paths.
+//!
+//! Layout per layer: `[batch, kv_heads, capacity, head_dim]`. Rows `0..len` are valid; a forward
+//! over `n` new tokens writes rows `len..len + n` in every layer and then advances `len`. Rolling
+//! back (rejected draft tokens) only moves `len`; nothing is freed or copied.
+
+use tch::{Device, Kind, Tensor};
+
+use crate::config::ModelConfig;
+use crate::{ModelError, Result};
+
+/// Key/value tensors of every layer for one batch of equally long sequences.
+pub struct KvCache {
+    keys: Vec<Tensor>,
+    values: Vec<Tensor>,
+    len: usize,
+    capacity: usize,
+}
+
+impl KvCache {
+    /// Allocates room for `capacity` positions of `batch` sequences.
+    pub fn new(
+        config: &ModelConfig,
+        batch: usize,
+        capacity: usize,
+        kind: Kind,
+        device: Device,
+    ) -> Result<Self> {
+        let shape = [
+            batch as i64,
+            config.num_key_value_heads as i64,
+            capacity as i64,
+            config.head_dim as i64,
+        ];
+        let alloc = || Tensor::f_zeros(shape, (kind, device));
+        let keys = (0..config.num_hidden_layers)
+            .map(|_| alloc())
+            .collect::<Result<Vec<_>, _>>()?;
+        let values = (0..config.num_hidden_layers)
+            .map(|_| alloc())
+            .collect::<Result<Vec<_>, _>>()?;
+        Ok(Self {
+            keys,
+            values,
+            len: 0,
+            capacity,
+        })
+    }
+
+    /// Number of cached positions.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    pub fn capacity(&self) -> usize {
+        self.capacity
+    }
+
+    /// Forgets every position at or after `len` (no data moves). Truncating to a length at or
+    /// beyond the current one is an error: it would expose stale rows.
+    pub fn truncate(&mut self, len: usize) -> Result<()> {
+        if len > self.len {
+            return Err(ModelError::Input(format!(
+                "cannot truncate a KV cache of {} positions to {len}",
+                self.len
+            )));
+        }
+        self.len = len;
+        Ok(())
+    }
+
+    /// Keeps, in order, the positions `keep` (absolute, strictly increasing, all `>= start`) and
+    /// moves them to `start..start + keep.len()`; everything after is dropped. This is how an
+    /// accepted tree path replaces the whole verified tree without re-running the prefix.
+    pub fn compact(&mut self, start: usize, keep: &[usize]) -> Result<()> {
+        let increasing = keep.windows(2).all(|w| w[0] < w[1]);
+        let in_range = keep.first().is_none_or(|&first| first >= start)
+            && keep.last().is_none_or(|&last| last < self.len);
+        if !increasing || !in_range || start > self.len {
+            return Err(ModelError::Input(format!(
+                "invalid compaction of a KV cache of {} positions: keep {keep:?} from {start}",
+                self.len
+            )));
+        }
+        let contiguous = keep.iter().enumerate().all(|(i, &p)| p == start + i);
+        if !contiguous {
+            let device = self.keys.first().map_or(Device::Cpu, Tensor::device);
+            let index: Vec<i64> = keep.iter().map(|&p| p as i64).collect();
+            let index = Tensor::from_slice(&index).to_device(device);
+            for cache in self.keys.iter_mut().chain(self.values.iter_mut()) {
+                // index_select materialises the rows before the copy, so source and destination
+                // may overlap.
+                let rows = cache.index_select(2, &index);
+                cache
+                    .narrow(2, start as i64, keep.len() as i64)
+                    .copy_(&rows);
+            }
+        }
+        self.len = start + keep.len();
+        Ok(())
+    }
+
+    /// The valid keys and values of `layer`: views of shape `[batch, kv_heads, len, head_dim]`.
+    pub fn layer(&self, layer: usize) -> (Tensor, Tensor) {
+        let len = self.len as i64;
+        (
+            self.keys[layer].narrow(2, 0, len),
+            self.values[layer].narrow(2, 0, len),
+        )
+    }
+
+    /// Fails unless `new_tokens` more positions fit.
+    pub(crate) fn check_room(&self, new_tokens: usize) -> Result<()> {
+        if self.len + new_tokens > self.capacity {
+            return Err(ModelError::Input(format!(
+                "KV cache full: {} cached + {new_tokens} new positions exceed its capacity of {}",
+                self.len, self.capacity
+            )));
+        }
+        Ok(())
+    }
+
+    /// Writes `keys`/`values` (`[batch, kv_heads, n, head_dim]`) of `layer` after the cached rows
+    /// and returns views over cached + new rows. The length advances only in [`Self::advance`],
+    /// once every layer has written.
+    pub(crate) fn append(
+        &mut self,
+        layer: usize,
+        keys: &Tensor,
+        values: &Tensor,
+    ) -> (Tensor, Tensor) {
+        let new = keys.size()[2];
+        let (start, total) = (self.len as i64, self.len as i64 + new);
+        self.keys[layer].narrow(2, start, new).copy_(keys);
+        self.values[layer].narrow(2, start, new).copy_(values);
+        (
+            self.keys[layer].narrow(2, 0, total),
+            self.values[layer].narrow(2, 0, total),
+        )
+    }
+
+    pub(crate) fn advance(&mut self, new_tokens: usize) {
+        self.len += new_tokens;
+    }
+}

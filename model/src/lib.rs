@@ -1,0 +1,29 @@
+//! Target-model runtime for Headway.
+//!
+//! One Llama-family implementation ([`llama`]) serves every use: plain decoding, feature
+//! extraction and tree verification. The forward pass takes explicit position ids and an optional
+//! boolean attention mask over cached prefix + new tokens ([`mask`]), so the caller chooses between
+//! causal prefill, single-token decode and tree-masked verification; the [`KvCache`] is passed
+//! explicitly, never hidden in the model. The trunk returns hidden states; the LM head is separate
+//! so callers project only the rows they need.
+
+pub mod chat;
+pub mod config;
+pub mod error;
+pub mod gguf;
+pub mod kv_cache;
+pub mod llama;
+pub mod mask;
+pub mod target;
+pub mod testing;
+pub mod tokenizer;
+pub mod weights;
+
+pub use chat::{ChatTemplate, Message};
+pub use config::{Architecture, ModelConfig};
+pub use error::{ModelError, Result};
+pub use kv_cache::KvCache;
+pub use llama::{CausalLm, ForwardInput, ForwardOutput, Llama, LmHead};
+pub use target::{Target, TargetArgs};
+pub use tokenizer::TextTokenizer;
+pub use weights::{RandomWeights, SafetensorsWeights, WeightSource};

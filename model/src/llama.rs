@@ -1,0 +1,526 @@
+//! The Llama-family decoder (Llama 2/3, SmolLM2, Mistral, Qwen2/2.5, Qwen3).
+//!
+//! Weights are looked up by their HF names. Two deliberate departures from HF's module layout,
+//! both for CPU decode speed: q/k/v are stored as one fused projection and gate/up as another
+//! (one GEMV instead of three or two, and rotary embedding applied to q and k in one op), built by
+//! concatenating the HF tensors at load time.
+
+use tch::{Kind, Tensor};
+
+use crate::config::ModelConfig;
+use crate::kv_cache::KvCache;
+use crate::weights::WeightSource;
+use crate::{ModelError, Result};
+
+/// `y = x Wᵀ + b`.
+struct Linear {
+    weight: Tensor,
+    bias: Option<Tensor>,
+}
+
+impl Linear {
+    fn forward(&self, x: &Tensor) -> Tensor {
+        x.linear(&self.weight, self.bias.as_ref())
+    }
+}
+
+/// Loads `{prefix}.{part}.weight` (and `.bias` when `with_bias`) for each part and stacks them
+/// along the output dimension; `rows[i]` is part `i`'s output size.
+fn fused_linear(
+    source: &mut dyn WeightSource,
+    prefix: &str,
+    parts: &[&str],
+    rows: &[usize],
+    in_features: usize,
+    with_bias: bool,
+) -> Result<Linear> {
+    let mut weights = Vec::with_capacity(parts.len());
+    let mut biases = Vec::with_capacity(parts.len());
+    for (part, &out) in parts.iter().zip(rows) {
+        weights.push(source.tensor(
+            &format!("{prefix}.{part}.weight"),
+            &[out as i64, in_features as i64],
+        )?);
+        if with_bias {
+            biases.push(source.tensor(&format!("{prefix}.{part}.bias"), &[out as i64])?);
+        }
+    }
+    let fuse = |mut ts: Vec<Tensor>| -> Result<Tensor> {
+        Ok(if ts.len() == 1 {
+            ts.remove(0)
+        } else {
+            Tensor::f_cat(&ts, 0)?
+        })
+    };
+    Ok(Linear {
+        weight: fuse(weights)?,
+        bias: if with_bias { Some(fuse(biases)?) } else { None },
+    })
+}
+
+/// RMSNorm exactly as HF computes it: statistics in f32, scale in the model dtype.
+struct RmsNorm {
+    weight: Tensor,
+    eps: f64,
+}
+
+impl RmsNorm {
+    fn load(source: &mut dyn WeightSource, name: &str, size: usize, eps: f64) -> Result<Self> {
+        Ok(Self {
+            weight: source.tensor(name, &[size as i64])?,
+            eps,
+        })
+    }
+
+    fn forward(&self, x: &Tensor) -> Tensor {
+        let kind = x.kind();
+        let x32 = x.to_kind(Kind::Float);
+        let variance = x32.pow_tensor_scalar(2).mean_dim(-1, true, Kind::Float);
+        let normed = x32 * (variance + self.eps).rsqrt();
+        &self.weight * normed.to_kind(kind)
+    }
+}
+
+/// Rotary embedding: inverse frequencies, and cos/sin computed per forward from explicit position
+/// ids (so tree nodes at equal depth share a position).
+struct Rotary {
+    inv_freq: Tensor,
+}
+
+impl Rotary {
+    fn new(config: &ModelConfig, device: tch::Device) -> Self {
+        let dim = config.head_dim;
+        let mut inv_freq: Vec<f64> = (0..dim / 2)
+            .map(|i| 1.0 / config.rope_theta.powf((2 * i) as f64 / dim as f64))
+            .collect();
+        if let Some(s) = &config.rope_scaling {
+            inv_freq = inv_freq.into_iter().map(|f| llama3_scaled(f, s)).collect();
+        }
+        let inv_freq: Vec<f32> = inv_freq.into_iter().map(|f| f as f32).collect();
+        Self {
+            inv_freq: Tensor::from_slice(&inv_freq).to_device(device),
+        }
+    }
+
+    /// `(cos, sin)` of shape `[batch, new, 1, head_dim]` in `kind`, for positions `[batch, new]`.
+    fn cos_sin(&self, positions: &Tensor, kind: Kind) -> (Tensor, Tensor) {
+        let freqs = positions.to_kind(Kind::Float).unsqueeze(-1) * &self.inv_freq;
+        let angles = Tensor::cat(&[&freqs, &freqs], -1).unsqueeze(2);
+        (angles.cos().to_kind(kind), angles.sin().to_kind(kind))
+    }
+}
+
+/// Llama 3.1's frequency-dependent scaling of one inverse frequency.
+fn llama3_scaled(inv_freq: f64, s: &crate::config::Llama3RopeScaling) -> f64 {
+    let old_len = s.original_max_position_embeddings as f64;
+    let low_wavelen = old_len / s.low_freq_factor;
+    let high_wavelen = old_len / s.high_freq_factor;
+    let wavelen = 2.0 * std::f64::consts::PI / inv_freq;
+    if wavelen > low_wavelen {
+        inv_freq / s.factor
+    } else if wavelen < high_wavelen {
+        inv_freq
+    } else {
+        let smooth =
+            (old_len / wavelen - s.low_freq_factor) / (s.high_freq_factor - s.low_freq_factor);
+        (1.0 - smooth) * inv_freq / s.factor + smooth * inv_freq
+    }
+}
+
+/// `x * cos + rotate_half(x) * sin` on the last dimension.
+fn apply_rotary(x: &Tensor, cos: &Tensor, sin: &Tensor) -> Tensor {
+    let half = x.size().last().copied().unwrap_or(0) / 2;
+    let x1 = x.narrow(-1, 0, half);
+    let x2 = x.narrow(-1, half, half);
+    let rotated = Tensor::cat(&[&x2.neg(), &x1], -1);
+    x * cos + rotated * sin
+}
+
+struct Attention {
+    qkv_proj: Linear,
+    o_proj: Linear,
+    /// Qwen3's per-head norms of q and k.
+    qk_norm: Option<(RmsNorm, RmsNorm)>,
+    num_heads: i64,
+    num_kv_heads: i64,
+    head_dim: i64,
+}
+
+impl Attention {
+    fn load(source: &mut dyn WeightSource, prefix: &str, c: &ModelConfig) -> Result<Self> {
+        let (q_rows, kv_rows) = (
+            c.num_attention_heads * c.head_dim,
+            c.num_key_value_heads * c.head_dim,
+        );
+        let qkv_proj = fused_linear(
+            source,
+            prefix,
+            &["q_proj", "k_proj", "v_proj"],
+            &[q_rows, kv_rows, kv_rows],
+            c.hidden_size,
+            c.qkv_bias,
+        )?;
+        let o_proj = fused_linear(source, prefix, &["o_proj"], &[c.hidden_size], q_rows, false)?;
+        let qk_norm = if c.qk_norm {
+            Some((
+                RmsNorm::load(
+                    source,
+                    &format!("{prefix}.q_norm.weight"),
+                    c.head_dim,
+                    c.rms_norm_eps,
+                )?,
+                RmsNorm::load(
+                    source,
+                    &format!("{prefix}.k_norm.weight"),
+                    c.head_dim,
+                    c.rms_norm_eps,
+                )?,
+            ))
+        } else {
+            None
+        };
+        Ok(Self {
+            qkv_proj,
+            o_proj,
+            qk_norm,
+            num_heads: c.num_attention_heads as i64,
+            num_kv_heads: c.num_key_value_heads as i64,
+            head_dim: c.head_dim as i64,
+        })
+    }
+
+    fn forward(&self, x: &Tensor, rope: &(Tensor, Tensor), ctx: &mut LayerContext) -> Tensor {
+        let (batch, new) = (x.size()[0], x.size()[1]);
+        let (h, kv, d) = (self.num_heads, self.num_kv_heads, self.head_dim);
+        let qkv = self.qkv_proj.forward(x).view([batch, new, h + 2 * kv, d]);
+        let values = qkv.narrow(2, h + kv, kv);
+        let queries_keys = match &self.qk_norm {
+            None => qkv.narrow(2, 0, h + kv),
+            Some((q_norm, k_norm)) => Tensor::cat(
+                &[
+                    q_norm.forward(&qkv.narrow(2, 0, h)),
+                    k_norm.forward(&qkv.narrow(2, h, kv)),
+                ],
+                2,
+            ),
+        };
+        let queries_keys = apply_rotary(&queries_keys, &rope.0, &rope.1);
+        let queries = queries_keys.narrow(2, 0, h).transpose(1, 2);
+        let keys = queries_keys.narrow(2, h, kv).transpose(1, 2);
+        let values = values.transpose(1, 2);
+        let (keys, values) = match ctx.cache.as_deref_mut() {
+            Some(cache) => cache.append(ctx.layer, &keys, &values),
+            None => (keys, values),
+        };
+        let attended = Tensor::scaled_dot_product_attention(
+            &queries,
+            &keys,
+            &values,
+            ctx.mask,
+            0.0,
+            ctx.is_causal,
+            None,
+            h != kv,
+        );
+        let merged = attended.transpose(1, 2).reshape([batch, new, h * d]);
+        self.o_proj.forward(&merged)
+    }
+}
+
+struct Mlp {
+    gate_up_proj: Linear,
+    down_proj: Linear,
+    intermediate: i64,
+}
+
+impl Mlp {
+    fn load(source: &mut dyn WeightSource, prefix: &str, c: &ModelConfig) -> Result<Self> {
+        let i = c.intermediate_size;
+        Ok(Self {
+            gate_up_proj: fused_linear(
+                source,
+                prefix,
+                &["gate_proj", "up_proj"],
+                &[i, i],
+                c.hidden_size,
+                false,
+            )?,
+            down_proj: fused_linear(source, prefix, &["down_proj"], &[c.hidden_size], i, false)?,
+            intermediate: i as i64,
+        })
+    }
+
+    fn forward(&self, x: &Tensor) -> Tensor {
+        let gate_up = self.gate_up_proj.forward(x);
+        let gate = gate_up.narrow(-1, 0, self.intermediate);
+        let up = gate_up.narrow(-1, self.intermediate, self.intermediate);
+        self.down_proj.forward(&(gate.silu() * up))
+    }
+}
+
+/// One pre-norm decoder layer: attention and MLP, each with a residual connection.
+pub struct DecoderLayer {
+    input_layernorm: RmsNorm,
+    self_attn: Attention,
+    post_attention_layernorm: RmsNorm,
+    mlp: Mlp,
+}
+
+/// What one layer needs besides its input: its index (for the cache), the cache, the mask.
+struct LayerContext<'a> {
+    layer: usize,
+    cache: Option<&'a mut KvCache>,
+    mask: Option<&'a Tensor>,
+    is_causal: bool,
+}
+
+impl DecoderLayer {
+    fn load(source: &mut dyn WeightSource, prefix: &str, c: &ModelConfig) -> Result<Self> {
+        let norm = |source: &mut dyn WeightSource, name: &str| {
+            RmsNorm::load(
+                source,
+                &format!("{prefix}.{name}.weight"),
+                c.hidden_size,
+                c.rms_norm_eps,
+            )
+        };
+        Ok(Self {
+            input_layernorm: norm(source, "input_layernorm")?,
+            self_attn: Attention::load(source, &format!("{prefix}.self_attn"), c)?,
+            post_attention_layernorm: norm(source, "post_attention_layernorm")?,
+            mlp: Mlp::load(source, &format!("{prefix}.mlp"), c)?,
+        })
+    }
+
+    fn forward(&self, x: &Tensor, rope: &(Tensor, Tensor), ctx: &mut LayerContext) -> Tensor {
+        let x = x + self
+            .self_attn
+            .forward(&self.input_layernorm.forward(x), rope, ctx);
+        let mlp = self.mlp.forward(&self.post_attention_layernorm.forward(&x));
+        x + mlp
+    }
+}
+
+/// Inputs of one forward pass over `new` tokens per sequence.
+pub struct ForwardInput<'a> {
+    /// Token ids `[batch, new]`.
+    pub input_ids: &'a Tensor,
+    /// Position ids `[batch, new]`: consecutive for plain decoding, prefix length + depth for tree
+    /// nodes.
+    pub positions: &'a Tensor,
+    /// Boolean mask `[batch or 1, 1, new, past + new]` (see [`crate::mask`]); `None` means causal.
+    pub mask: Option<&'a Tensor>,
+    /// Residual-stream taps to return: tap `k` is the hidden state after `k` decoder layers (HF's
+    /// `hidden_states[k]`), `k < num_hidden_layers`.
+    pub taps: &'a [usize],
+}
+
+/// Outputs of one forward pass.
+pub struct ForwardOutput {
+    /// Final hidden states after the last norm, `[batch, new, hidden]`: what the LM head reads.
+    pub hidden: Tensor,
+    /// The requested taps, in the order asked, each `[batch, new, hidden]`.
+    pub taps: Vec<Tensor>,
+}
+
+/// The decoder trunk: embeddings, layers and final norm (no LM head).
+pub struct Llama {
+    embed_tokens: Tensor,
+    layers: Vec<DecoderLayer>,
+    norm: RmsNorm,
+    rotary: Rotary,
+    config: ModelConfig,
+}
+
+impl Llama {
+    /// Builds the trunk from `source`, reading HF names under `model.`.
+    pub fn load(config: &ModelConfig, source: &mut dyn WeightSource) -> Result<Self> {
+        let c = config;
+        let embed_tokens = source.tensor(
+            "model.embed_tokens.weight",
+            &[c.vocab_size as i64, c.hidden_size as i64],
+        )?;
+        let layers = (0..c.num_hidden_layers)
+            .map(|i| DecoderLayer::load(source, &format!("model.layers.{i}"), c))
+            .collect::<Result<Vec<_>>>()?;
+        let norm = RmsNorm::load(source, "model.norm.weight", c.hidden_size, c.rms_norm_eps)?;
+        Ok(Self {
+            rotary: Rotary::new(c, embed_tokens.device()),
+            embed_tokens,
+            layers,
+            norm,
+            config: c.clone(),
+        })
+    }
+
+    pub fn config(&self) -> &ModelConfig {
+        &self.config
+    }
+
+    /// The token embedding matrix `[vocab, hidden]` (shared with tied LM heads and draft heads).
+    pub fn embed_tokens(&self) -> &Tensor {
+        &self.embed_tokens
+    }
+
+    /// Runs the trunk over `input.input_ids`. With a cache, attention covers the cached prefix plus
+    /// the new tokens, whose keys and values are appended to it; without one, only the new tokens.
+    /// Errors (never panics) on inputs of the wrong shape, out-of-range taps or a full cache.
+    pub fn forward(
+        &self,
+        input: &ForwardInput,
+        mut cache: Option<&mut KvCache>,
+    ) -> Result<ForwardOutput> {
+        let past = cache.as_ref().map_or(0, |c| c.len());
+        let new = self.check_input(input, past)?;
+        if let Some(c) = cache.as_deref() {
+            c.check_room(new)?;
+        }
+        let implicit_mask;
+        let (mask, is_causal) = match (input.mask, past, new) {
+            (Some(m), _, _) => (Some(m), false),
+            (None, _, 1) => (None, false),
+            (None, 0, _) => (None, true),
+            (None, _, _) => {
+                implicit_mask = crate::mask::causal_mask(past, new, self.embed_tokens.device());
+                (Some(&implicit_mask), false)
+            }
+        };
+        let mut x = self.embed_tokens.embedding_from(input.input_ids);
+        let rope = self.rotary.cos_sin(input.positions, x.kind());
+        let mut taps: Vec<Option<Tensor>> = input.taps.iter().map(|_| None).collect();
+        for (index, layer) in self.layers.iter().enumerate() {
+            record_tap(&mut taps, input.taps, index, &x);
+            let mut ctx = LayerContext {
+                layer: index,
+                cache: cache.as_deref_mut(),
+                mask,
+                is_causal,
+            };
+            x = layer.forward(&x, &rope, &mut ctx);
+        }
+        if let Some(c) = cache {
+            c.advance(new);
+        }
+        Ok(ForwardOutput {
+            hidden: self.norm.forward(&x),
+            taps: taps.into_iter().flatten().collect(),
+        })
+    }
+
+    /// Validates shapes and taps; returns the number of new tokens.
+    fn check_input(&self, input: &ForwardInput, past: usize) -> Result<usize> {
+        let ids = input.input_ids.size();
+        let [batch, new] = ids[..] else {
+            return Err(ModelError::Input(format!(
+                "input_ids must be [batch, new], got {ids:?}"
+            )));
+        };
+        if input.positions.size() != ids {
+            return Err(ModelError::Input(format!(
+                "positions {:?} must match input_ids {ids:?}",
+                input.positions.size()
+            )));
+        }
+        if let Some(mask) = input.mask {
+            let s = mask.size();
+            let ok = s.len() == 4
+                && (s[0] == 1 || s[0] == batch)
+                && s[1] == 1
+                && s[2] == new
+                && s[3] == past as i64 + new
+                && mask.kind() == Kind::Bool;
+            if !ok {
+                return Err(ModelError::Input(format!(
+                    "mask must be Bool [1 or {batch}, 1, {new}, {}], got {:?} {s:?}",
+                    past as i64 + new,
+                    mask.kind()
+                )));
+            }
+        }
+        if let Some(&tap) = input.taps.iter().find(|&&t| t >= self.layers.len()) {
+            return Err(ModelError::Input(format!(
+                "tap {tap} out of range: the model has {} layers",
+                self.layers.len()
+            )));
+        }
+        let max_id = input.input_ids.max().int64_value(&[]);
+        if new > 0
+            && (max_id >= self.config.vocab_size as i64
+                || input.input_ids.min().int64_value(&[]) < 0)
+        {
+            return Err(ModelError::Input(format!(
+                "token id {max_id} outside the vocabulary of {}",
+                self.config.vocab_size
+            )));
+        }
+        Ok(new as usize)
+    }
+}
+
+fn record_tap(taps: &mut [Option<Tensor>], wanted: &[usize], layer: usize, x: &Tensor) {
+    for (slot, _) in taps.iter_mut().zip(wanted).filter(|(_, &w)| w == layer) {
+        *slot = Some(x.shallow_clone());
+    }
+}
+
+trait EmbeddingExt {
+    fn embedding_from(&self, ids: &Tensor) -> Tensor;
+}
+
+impl EmbeddingExt for Tensor {
+    fn embedding_from(&self, ids: &Tensor) -> Tensor {
+        Tensor::embedding(self, ids, -1, false, false)
+    }
+}
+
+/// The output projection from final hidden states to vocabulary logits.
+pub struct LmHead {
+    weight: Tensor,
+}
+
+impl LmHead {
+    /// Loads `lm_head.weight`, or shares the embedding matrix when the model ties them.
+    pub fn load(
+        config: &ModelConfig,
+        trunk: &Llama,
+        source: &mut dyn WeightSource,
+    ) -> Result<Self> {
+        let weight = if config.tie_word_embeddings {
+            trunk.embed_tokens().shallow_clone()
+        } else {
+            source.tensor(
+                "lm_head.weight",
+                &[config.vocab_size as i64, config.hidden_size as i64],
+            )?
+        };
+        Ok(Self { weight })
+    }
+
+    /// Logits `[..., vocab]` for hidden states `[..., hidden]`; callers pass only the rows they
+    /// need (the last one when decoding).
+    pub fn forward(&self, hidden: &Tensor) -> Tensor {
+        hidden.linear::<Tensor>(&self.weight, None)
+    }
+
+    pub fn weight(&self) -> &Tensor {
+        &self.weight
+    }
+}
+
+/// A target model: trunk plus LM head.
+pub struct CausalLm {
+    pub model: Llama,
+    pub lm_head: LmHead,
+}
+
+impl CausalLm {
+    pub fn load(config: &ModelConfig, source: &mut dyn WeightSource) -> Result<Self> {
+        let model = Llama::load(config, source)?;
+        let lm_head = LmHead::load(config, &model, source)?;
+        Ok(Self { model, lm_head })
+    }
+
+    pub fn config(&self) -> &ModelConfig {
+        self.model.config()
+    }
+}

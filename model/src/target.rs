@@ -1,0 +1,183 @@
+//! A target model directory loaded as a whole: weights, tokenizer, chat template and stop tokens;
+//! plus the command-line options every binary uses to pick one.
+
+use std::path::{Path, PathBuf};
+
+use tch::{Device, Kind};
+
+use crate::chat::{ChatTemplate, Message};
+use crate::config::ModelConfig;
+use crate::llama::CausalLm;
+use crate::tokenizer::TextTokenizer;
+use crate::weights::SafetensorsWeights;
+use crate::{ModelError, Result};
+
+/// Name of the embedded default target's directory under [`headway_home`]`/models`.
+pub const DEFAULT_TARGET_NAME: &str = "SmolLM2-135M-Instruct";
+
+/// Headway's cache root: `$HEADWAY_HOME`, else `$HOME/.cache/headway`.
+pub fn headway_home() -> PathBuf {
+    if let Some(home) = std::env::var_os("HEADWAY_HOME") {
+        return PathBuf::from(home);
+    }
+    let home = std::env::var_os("HOME").map_or_else(|| PathBuf::from("."), PathBuf::from);
+    home.join(".cache").join("headway")
+}
+
+/// Where `make` converts the embedded SmolLM2-135M-Instruct GGUF to.
+pub fn default_target_dir() -> PathBuf {
+    headway_home().join("models").join(DEFAULT_TARGET_NAME)
+}
+
+/// Weight dtype on the command line.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum DtypeArg {
+    F32,
+    Bf16,
+    F16,
+}
+
+impl DtypeArg {
+    pub fn kind(self) -> Kind {
+        match self {
+            Self::F32 => Kind::Float,
+            Self::Bf16 => Kind::BFloat16,
+            Self::F16 => Kind::Half,
+        }
+    }
+}
+
+/// Parses `cpu`, `cuda` or `cuda:N`; `cuda` when no GPU is usable is an error, not a silent CPU run.
+pub fn parse_device(text: &str) -> Result<Device> {
+    let device = match text {
+        "cpu" => Device::Cpu,
+        "cuda" => Device::Cuda(0),
+        other => match other.strip_prefix("cuda:").map(str::parse::<usize>) {
+            Some(Ok(n)) => Device::Cuda(n),
+            _ => {
+                return Err(ModelError::Input(format!(
+                    "unknown device {other:?}: use cpu, cuda or cuda:N"
+                )))
+            }
+        },
+    };
+    if let Device::Cuda(n) = device {
+        let available = tch::Cuda::device_count() as usize;
+        if n >= available {
+            return Err(ModelError::Input(format!(
+                "device {text} requested but {available} CUDA device(s) are usable"
+            )));
+        }
+    }
+    Ok(device)
+}
+
+/// Options that choose and place the target model.
+#[derive(Debug, Clone, clap::Args)]
+pub struct TargetArgs {
+    /// Target model: an HF-style directory with config.json, model.safetensors (or an index of
+    /// shards), tokenizer.json and tokenizer_config.json. Default: the embedded
+    /// SmolLM2-135M-Instruct under $HEADWAY_HOME/models (made by `make model`).
+    #[arg(long, env = "HEADWAY_TARGET")]
+    pub target: Option<PathBuf>,
+    /// Where to run: cpu, cuda or cuda:N.
+    #[arg(long, default_value = "cpu")]
+    pub device: String,
+    /// Weight and activation dtype.
+    #[arg(long, value_enum, default_value = "f32")]
+    pub dtype: DtypeArg,
+    /// CPU threads for libtorch's intra-op parallelism (0: libtorch's default, one per core).
+    #[arg(long, default_value_t = 0)]
+    pub threads: usize,
+}
+
+impl TargetArgs {
+    /// The target directory: `--target`, else the embedded default.
+    pub fn dir(&self) -> PathBuf {
+        self.target.clone().unwrap_or_else(default_target_dir)
+    }
+
+    /// Applies `--threads` and loads the target.
+    pub fn load(&self) -> Result<Target> {
+        if self.threads > 0 {
+            tch::set_num_threads(self.threads as i32);
+        }
+        let device = parse_device(&self.device)?;
+        Target::load(&self.dir(), self.dtype.kind(), device)
+    }
+}
+
+/// Everything needed to run a target: model, tokenizer, chat template, stop ids.
+pub struct Target {
+    pub dir: PathBuf,
+    pub model: CausalLm,
+    pub tokenizer: TextTokenizer,
+    /// `None` for base models without a chat template.
+    pub chat_template: Option<ChatTemplate>,
+    /// Generation stops at any of these: the config's EOS ids plus the chat end-of-turn token.
+    pub stop_ids: Vec<u32>,
+    pub kind: Kind,
+    pub device: Device,
+}
+
+impl Target {
+    /// Loads the HF directory `dir` with weights in `kind` on `device`.
+    pub fn load(dir: &Path, kind: Kind, device: Device) -> Result<Self> {
+        if !dir.is_dir() {
+            return Err(ModelError::io(
+                dir,
+                std::io::Error::new(
+                    std::io::ErrorKind::NotFound,
+                    "target model directory not found (for the embedded default run `make model`)",
+                ),
+            ));
+        }
+        let config = ModelConfig::from_dir(dir)?;
+        let tokenizer = TextTokenizer::from_file(&dir.join("tokenizer.json"))?;
+        let template_path = dir.join("tokenizer_config.json");
+        let chat_template = if template_path.exists() {
+            ChatTemplate::from_tokenizer_config(&template_path)?
+        } else {
+            None
+        };
+        let mut weights = SafetensorsWeights::open(dir, kind, device)?;
+        let model = tch::no_grad(|| CausalLm::load(&config, &mut weights))?;
+        let stop_ids = stop_ids(&config, &tokenizer);
+        Ok(Self {
+            dir: dir.to_path_buf(),
+            model,
+            tokenizer,
+            chat_template,
+            stop_ids,
+            kind,
+            device,
+        })
+    }
+
+    /// Prompt text for `messages` (chat template with the generation prompt), or an error naming
+    /// the directory when the model has no template.
+    pub fn chat_prompt(&self, messages: &[Message]) -> Result<String> {
+        let template = self.chat_template.as_ref().ok_or_else(|| {
+            ModelError::Template(format!("{} has no chat_template", self.dir.display()))
+        })?;
+        template.render(messages, true)
+    }
+}
+
+/// EOS ids from the config plus the end-of-turn tokens of common chat formats present in the
+/// vocabulary (a chat model ends its turn with them even when the config names another EOS).
+fn stop_ids(config: &ModelConfig, tokenizer: &TextTokenizer) -> Vec<u32> {
+    let mut ids: Vec<u32> = config
+        .eos_token_ids
+        .iter()
+        .filter_map(|&id| u32::try_from(id).ok())
+        .collect();
+    for end_of_turn in ["<|im_end|>", "<|eot_id|>", "<|endoftext|>", "</s>"] {
+        if let Some(id) = tokenizer.token_id(end_of_turn) {
+            if !ids.contains(&id) {
+                ids.push(id);
+            }
+        }
+    }
+    ids
+}

@@ -1,0 +1,184 @@
+//! Tiny random-weight models for fast tests across the workspace (no real checkpoint needed).
+//!
+//! [`write_tiny_model`] writes a complete HF-style directory — config, safetensors weights, a
+//! byte-level BPE tokenizer with ChatML special tokens and a ChatML chat template — that every
+//! Headway command can load like a real target.
+
+use std::collections::HashMap;
+use std::path::Path;
+
+use tch::{Device, Kind, Tensor};
+
+use crate::config::ModelConfig;
+use crate::weights::{RandomWeights, WeightSource};
+use crate::{ModelError, Result};
+
+/// Byte tokens, a few merges and three special tokens fit in this vocabulary.
+pub const TINY_VOCAB: usize = 320;
+
+/// `config.json` of the tiny model: 2 layers, GQA (4 query heads, 2 KV heads), SmolLM2's layout.
+pub fn tiny_config_json() -> serde_json::Value {
+    serde_json::json!({
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "num_hidden_layers": 2,
+        "rms_norm_eps": 1e-5,
+        "rope_theta": 10000.0,
+        "max_position_embeddings": 512,
+        "vocab_size": TINY_VOCAB,
+        "tie_word_embeddings": true,
+        "bos_token_id": 1,
+        "eos_token_id": 2,
+        "torch_dtype": "float32"
+    })
+}
+
+/// The resolved tiny config.
+pub fn tiny_config() -> ModelConfig {
+    let raw: crate::config::HfConfig =
+        serde_json::from_value(tiny_config_json()).expect("the tiny config is valid");
+    raw.resolve(Path::new("tiny/config.json"))
+        .expect("the tiny config resolves")
+}
+
+/// HF names and shapes of every weight of a Llama-layout `config`.
+pub fn weight_shapes(config: &ModelConfig) -> Vec<(String, Vec<i64>)> {
+    let (h, i, v) = (
+        config.hidden_size as i64,
+        config.intermediate_size as i64,
+        config.vocab_size as i64,
+    );
+    let q = (config.num_attention_heads * config.head_dim) as i64;
+    let kv = (config.num_key_value_heads * config.head_dim) as i64;
+    let mut shapes = vec![("model.embed_tokens.weight".to_string(), vec![v, h])];
+    for layer in 0..config.num_hidden_layers {
+        let p = format!("model.layers.{layer}");
+        shapes.extend([
+            (format!("{p}.input_layernorm.weight"), vec![h]),
+            (format!("{p}.self_attn.q_proj.weight"), vec![q, h]),
+            (format!("{p}.self_attn.k_proj.weight"), vec![kv, h]),
+            (format!("{p}.self_attn.v_proj.weight"), vec![kv, h]),
+            (format!("{p}.self_attn.o_proj.weight"), vec![h, q]),
+            (format!("{p}.post_attention_layernorm.weight"), vec![h]),
+            (format!("{p}.mlp.gate_proj.weight"), vec![i, h]),
+            (format!("{p}.mlp.up_proj.weight"), vec![i, h]),
+            (format!("{p}.mlp.down_proj.weight"), vec![h, i]),
+        ]);
+    }
+    shapes.push(("model.norm.weight".to_string(), vec![h]));
+    if !config.tie_word_embeddings {
+        shapes.push(("lm_head.weight".to_string(), vec![v, h]));
+    }
+    shapes
+}
+
+/// Writes `tensors` (f32, CPU) to a safetensors file.
+pub fn write_safetensors(path: &Path, tensors: &[(String, Tensor)]) -> Result<()> {
+    let data: Vec<(String, Vec<u8>, Vec<usize>)> = tensors
+        .iter()
+        .map(|(name, t)| {
+            let t = t.to_kind(Kind::Float).contiguous();
+            let values = Vec::<f32>::try_from(t.flatten(0, -1))?;
+            let bytes = values.iter().flat_map(|v| v.to_le_bytes()).collect();
+            let shape = t.size().iter().map(|&d| d as usize).collect();
+            Ok((name.clone(), bytes, shape))
+        })
+        .collect::<Result<_>>()?;
+    let views = data
+        .iter()
+        .map(|(name, bytes, shape)| {
+            safetensors::tensor::TensorView::new(safetensors::Dtype::F32, shape.clone(), bytes)
+                .map(|view| (name.clone(), view))
+        })
+        .collect::<std::result::Result<Vec<_>, _>>()
+        .map_err(|e| safetensors_error(path, e))?;
+    safetensors::serialize_to_file(views, None, path).map_err(|e| safetensors_error(path, e))
+}
+
+fn safetensors_error(path: &Path, e: impl std::fmt::Display) -> ModelError {
+    ModelError::Safetensors {
+        path: path.to_path_buf(),
+        message: e.to_string(),
+    }
+}
+
+/// Writes a complete tiny model directory whose weights are [`RandomWeights`] with `seed`.
+pub fn write_tiny_model(dir: &Path, seed: u64) -> Result<()> {
+    std::fs::create_dir_all(dir).map_err(|e| ModelError::io(dir, e))?;
+    let config_path = dir.join("config.json");
+    let config_text = serde_json::to_string_pretty(&tiny_config_json()).expect("json");
+    std::fs::write(&config_path, config_text).map_err(|e| ModelError::io(&config_path, e))?;
+    let mut source = RandomWeights::new(seed, Kind::Float, Device::Cpu);
+    let tensors = weight_shapes(&tiny_config())
+        .into_iter()
+        .map(|(name, shape)| Ok((name.clone(), source.tensor(&name, &shape)?)))
+        .collect::<Result<Vec<_>>>()?;
+    write_safetensors(&dir.join("model.safetensors"), &tensors)?;
+    write_tiny_tokenizer(dir)
+}
+
+/// A byte-level BPE tokenizer: the 256 bytes (ids 3..259), merges of a few frequent English
+/// pairs, and `<|endoftext|>` (0), `<|im_start|>` (1), `<|im_end|>` (2); plus a ChatML template.
+fn write_tiny_tokenizer(dir: &Path) -> Result<()> {
+    let bytes = tokenizers::pre_tokenizers::byte_level::ByteLevel::alphabet();
+    let mut alphabet: Vec<char> = bytes.into_iter().collect();
+    alphabet.sort();
+    let mut vocab: HashMap<String, u32> = HashMap::new();
+    for (i, c) in alphabet.iter().enumerate() {
+        vocab.insert(c.to_string(), 3 + i as u32);
+    }
+    let pairs = [
+        ("t", "h"),
+        ("th", "e"),
+        ("Ġ", "t"),
+        ("Ġt", "he"),
+        ("i", "n"),
+        ("e", "r"),
+        ("a", "n"),
+        ("o", "n"),
+    ];
+    let mut merges = Vec::new();
+    for (a, b) in pairs {
+        let id = vocab.len() as u32 + 3;
+        vocab.insert(format!("{a}{b}"), id);
+        merges.push(format!("{a} {b}"));
+    }
+    let special = |id: u32, content: &str| {
+        serde_json::json!({"id": id, "content": content, "single_word": false, "lstrip": false,
+                           "rstrip": false, "normalized": false, "special": true})
+    };
+    let tokenizer = serde_json::json!({
+        "version": "1.0",
+        "truncation": null,
+        "padding": null,
+        "added_tokens": [special(0, "<|endoftext|>"), special(1, "<|im_start|>"), special(2, "<|im_end|>")],
+        "normalizer": null,
+        "pre_tokenizer": {"type": "ByteLevel", "add_prefix_space": false, "trim_offsets": true, "use_regex": true},
+        "post_processor": null,
+        "decoder": {"type": "ByteLevel", "add_prefix_space": true, "trim_offsets": true, "use_regex": true},
+        "model": {"type": "BPE", "dropout": null, "unk_token": null, "continuing_subword_prefix": null,
+                  "end_of_word_suffix": null, "fuse_unk": false, "byte_fallback": false,
+                  "ignore_merges": false, "vocab": vocab, "merges": merges}
+    });
+    let template = "{% for message in messages %}{{'<|im_start|>' + message['role'] + '\n' + \
+                    message['content'] + '<|im_end|>' + '\n'}}{% endfor %}{% if add_generation_prompt %}\
+                    {{ '<|im_start|>assistant\n' }}{% endif %}";
+    let tokenizer_config = serde_json::json!({
+        "chat_template": template,
+        "bos_token": "<|im_start|>",
+        "eos_token": "<|im_end|>",
+    });
+    for (name, value) in [
+        ("tokenizer.json", tokenizer),
+        ("tokenizer_config.json", tokenizer_config),
+    ] {
+        let path = dir.join(name);
+        let text = serde_json::to_string_pretty(&value).expect("json");
+        std::fs::write(&path, text).map_err(|e| ModelError::io(&path, e))?;
+    }
+    Ok(())
+}

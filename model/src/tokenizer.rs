@@ -1,0 +1,85 @@
+//! Text ↔ token ids through a HuggingFace `tokenizer.json`, plus incremental decoding for
+//! streaming.
+
+use std::path::Path;
+
+use crate::{ModelError, Result};
+
+/// A loaded `tokenizer.json`.
+pub struct TextTokenizer {
+    inner: tokenizers::Tokenizer,
+}
+
+fn tokenizer_error(context: &str, e: impl std::fmt::Display) -> ModelError {
+    ModelError::Tokenizer(format!("{context}: {e}"))
+}
+
+impl TextTokenizer {
+    /// Loads `path` (a `tokenizer.json`).
+    pub fn from_file(path: &Path) -> Result<Self> {
+        if !path.exists() {
+            return Err(ModelError::io(
+                path,
+                std::io::Error::new(std::io::ErrorKind::NotFound, "tokenizer file not found"),
+            ));
+        }
+        let inner = tokenizers::Tokenizer::from_file(path)
+            .map_err(|e| tokenizer_error(&path.display().to_string(), e))?;
+        Ok(Self { inner })
+    }
+
+    /// Token ids of `text`; special-token strings in `text` (e.g. `<|im_end|>`) map to their ids.
+    /// `add_special_tokens` applies the tokenizer's post-processor (e.g. a BOS token).
+    pub fn encode(&self, text: &str, add_special_tokens: bool) -> Result<Vec<u32>> {
+        let encoding = self
+            .inner
+            .encode(text, add_special_tokens)
+            .map_err(|e| tokenizer_error("encode", e))?;
+        Ok(encoding.get_ids().to_vec())
+    }
+
+    /// Text of `ids`, keeping or dropping special tokens.
+    pub fn decode(&self, ids: &[u32], skip_special_tokens: bool) -> Result<String> {
+        self.inner
+            .decode(ids, skip_special_tokens)
+            .map_err(|e| tokenizer_error("decode", e))
+    }
+
+    /// Id of the token whose text is exactly `token` (added/special tokens included).
+    pub fn token_id(&self, token: &str) -> Option<u32> {
+        self.inner.token_to_id(token)
+    }
+
+    /// Number of ids the tokenizer can produce, added tokens included.
+    pub fn vocab_size(&self) -> usize {
+        self.inner.get_vocab_size(true)
+    }
+
+    /// An incremental decoder: feed ids one at a time, get text as soon as it is complete UTF-8.
+    pub fn stream(&self, skip_special_tokens: bool) -> TokenStream<'_> {
+        TokenStream {
+            inner: self.inner.decode_stream(skip_special_tokens),
+        }
+    }
+}
+
+/// Incremental detokenizer (a multi-byte character split across tokens is emitted once whole).
+pub struct TokenStream<'a> {
+    inner: tokenizers::DecodeStream<
+        'a,
+        tokenizers::ModelWrapper,
+        tokenizers::NormalizerWrapper,
+        tokenizers::PreTokenizerWrapper,
+        tokenizers::PostProcessorWrapper,
+        tokenizers::DecoderWrapper,
+    >,
+}
+
+impl TokenStream<'_> {
+    /// Text newly completed by `id`, if any.
+    pub fn step(&mut self, id: u32) -> Result<Option<String>> {
+        self.inner
+            .step(id)
+            .map_err(|e| tokenizer_error("decode", e))
+    }
+}
