@@ -73,15 +73,39 @@ struct TokenizerConfig {
     eos_token: Option<TokenField>,
 }
 
+fn read_tokenizer_config(path: &Path) -> Result<TokenizerConfig> {
+    let text = std::fs::read_to_string(path).map_err(|e| ModelError::io(path, e))?;
+    serde_json::from_str(&text).map_err(|source| ModelError::Json {
+        path: path.to_path_buf(),
+        source,
+    })
+}
+
 impl ChatTemplate {
+    /// The template of the HF model directory `dir`: `chat_template.jinja` (newer transformers
+    /// save it there) or else `chat_template` in `tokenizer_config.json`; special-token strings
+    /// always come from `tokenizer_config.json`. `Ok(None)` when there is no template.
+    pub fn from_dir(dir: &Path) -> Result<Option<Self>> {
+        let config_path = dir.join("tokenizer_config.json");
+        if !config_path.exists() {
+            return Ok(None);
+        }
+        let mut config = read_tokenizer_config(&config_path)?;
+        let jinja_path = dir.join("chat_template.jinja");
+        if jinja_path.exists() {
+            let text =
+                std::fs::read_to_string(&jinja_path).map_err(|e| ModelError::io(&jinja_path, e))?;
+            config.chat_template = Some(TemplateField::One(text));
+        }
+        Self::from_config(config, &config_path)
+    }
+
     /// Reads the template from a `tokenizer_config.json`; `Ok(None)` when it has none.
     pub fn from_tokenizer_config(path: &Path) -> Result<Option<Self>> {
-        let text = std::fs::read_to_string(path).map_err(|e| ModelError::io(path, e))?;
-        let config: TokenizerConfig =
-            serde_json::from_str(&text).map_err(|source| ModelError::Json {
-                path: path.to_path_buf(),
-                source,
-            })?;
+        Self::from_config(read_tokenizer_config(path)?, path)
+    }
+
+    fn from_config(config: TokenizerConfig, path: &Path) -> Result<Option<Self>> {
         let template = match config.chat_template {
             None => return Ok(None),
             Some(TemplateField::One(t)) => t,

@@ -54,15 +54,21 @@ impl TokenIds {
     }
 }
 
-/// `rope_scaling` as HF writes it; only the Llama-3 kind changes the frequencies here.
+/// `rope_scaling` (transformers 4) or `rope_parameters` (transformers 5, which also moves
+/// `rope_theta` in here); only the Llama-3 kind changes the frequencies.
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct HfRopeScaling {
-    #[serde(alias = "type")]
+    #[serde(alias = "type", default = "default_rope_type")]
     pub rope_type: String,
+    pub rope_theta: Option<f64>,
     pub factor: Option<f64>,
     pub low_freq_factor: Option<f64>,
     pub high_freq_factor: Option<f64>,
     pub original_max_position_embeddings: Option<usize>,
+}
+
+fn default_rope_type() -> String {
+    "default".to_string()
 }
 
 /// `config.json` exactly as HF writes it: optional fields stay optional, unknown fields are ignored
@@ -81,6 +87,7 @@ pub struct HfConfig {
     pub rms_norm_eps: f64,
     pub rope_theta: Option<f64>,
     pub rope_scaling: Option<HfRopeScaling>,
+    pub rope_parameters: Option<HfRopeScaling>,
     pub max_position_embeddings: usize,
     pub vocab_size: usize,
     pub tie_word_embeddings: Option<bool>,
@@ -188,7 +195,10 @@ impl HfConfig {
             head_dim,
             num_hidden_layers: self.num_hidden_layers,
             rms_norm_eps: self.rms_norm_eps,
-            rope_theta: self.rope_theta.unwrap_or(10_000.0),
+            rope_theta: self
+                .rope_theta
+                .or(self.rope_parameters.as_ref().and_then(|p| p.rope_theta))
+                .unwrap_or(10_000.0),
             rope_scaling: self.llama3_rope_scaling(path)?,
             max_position_embeddings,
             vocab_size: self.vocab_size,
@@ -208,7 +218,7 @@ impl HfConfig {
     }
 
     fn llama3_rope_scaling(&self, path: &Path) -> Result<Option<Llama3RopeScaling>> {
-        let Some(scaling) = &self.rope_scaling else {
+        let Some(scaling) = self.rope_scaling.as_ref().or(self.rope_parameters.as_ref()) else {
             return Ok(None);
         };
         let missing = |field: &str| ModelError::Config {

@@ -134,12 +134,7 @@ impl Target {
         }
         let config = ModelConfig::from_dir(dir)?;
         let tokenizer = TextTokenizer::from_file(&dir.join("tokenizer.json"))?;
-        let template_path = dir.join("tokenizer_config.json");
-        let chat_template = if template_path.exists() {
-            ChatTemplate::from_tokenizer_config(&template_path)?
-        } else {
-            None
-        };
+        let chat_template = ChatTemplate::from_dir(dir)?;
         let mut weights = SafetensorsWeights::open(dir, kind, device)?;
         let model = tch::no_grad(|| CausalLm::load(&config, &mut weights))?;
         let stop_ids = stop_ids(&config, &tokenizer);
@@ -164,7 +159,7 @@ impl Target {
     }
 }
 
-/// EOS ids from the config plus the end-of-turn tokens of common chat formats present in the
+/// EOS ids from the config plus the end-of-turn tokens of ChatML and Llama 3 when present in the
 /// vocabulary (a chat model ends its turn with them even when the config names another EOS).
 fn stop_ids(config: &ModelConfig, tokenizer: &TextTokenizer) -> Vec<u32> {
     let mut ids: Vec<u32> = config
@@ -172,7 +167,7 @@ fn stop_ids(config: &ModelConfig, tokenizer: &TextTokenizer) -> Vec<u32> {
         .iter()
         .filter_map(|&id| u32::try_from(id).ok())
         .collect();
-    for end_of_turn in ["<|im_end|>", "<|eot_id|>", "<|endoftext|>", "</s>"] {
+    for end_of_turn in ["<|im_end|>", "<|eot_id|>"] {
         if let Some(id) = tokenizer.token_id(end_of_turn) {
             if !ids.contains(&id) {
                 ids.push(id);

@@ -127,7 +127,14 @@ fn write_tiny_tokenizer(dir: &Path) -> Result<()> {
     let bytes = tokenizers::pre_tokenizers::byte_level::ByteLevel::alphabet();
     let mut alphabet: Vec<char> = bytes.into_iter().collect();
     alphabet.sort();
-    let mut vocab: HashMap<String, u32> = HashMap::new();
+    // The special tokens are in the model vocabulary too, so ids are contiguous from 0 (as in
+    // HF's GPT-2-style tokenizers); `tokenizers` misnumbers added tokens otherwise.
+    let specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"];
+    let mut vocab: HashMap<String, u32> = specials
+        .iter()
+        .enumerate()
+        .map(|(i, s)| (s.to_string(), i as u32))
+        .collect();
     for (i, c) in alphabet.iter().enumerate() {
         vocab.insert(c.to_string(), 3 + i as u32);
     }
@@ -135,15 +142,15 @@ fn write_tiny_tokenizer(dir: &Path) -> Result<()> {
         ("t", "h"),
         ("th", "e"),
         ("Ġ", "t"),
-        ("Ġt", "he"),
+        ("Ġt", "h"),
+        ("Ġth", "e"),
         ("i", "n"),
         ("e", "r"),
-        ("a", "n"),
         ("o", "n"),
     ];
     let mut merges = Vec::new();
     for (a, b) in pairs {
-        let id = vocab.len() as u32 + 3;
+        let id = vocab.len() as u32;
         vocab.insert(format!("{a}{b}"), id);
         merges.push(format!("{a} {b}"));
     }
@@ -181,4 +188,27 @@ fn write_tiny_tokenizer(dir: &Path) -> Result<()> {
         std::fs::write(&path, text).map_err(|e| ModelError::io(&path, e))?;
     }
     Ok(())
+}
+
+/// The real SmolLM2 directory for the few tests that need it: `$HEADWAY_TARGET`, else the embedded
+/// default. Panics with the command that creates it, since a silently skipped parity test proves
+/// nothing.
+pub fn real_target_dir() -> std::path::PathBuf {
+    let dir = std::env::var_os("HEADWAY_TARGET")
+        .map(std::path::PathBuf::from)
+        .unwrap_or_else(crate::target::default_target_dir);
+    assert!(
+        dir.join("model.safetensors").exists(),
+        "real target {} is missing: run `make model` (or set HEADWAY_TARGET)",
+        dir.display()
+    );
+    dir
+}
+
+/// `fixtures/<name>` at the workspace root.
+pub fn fixture_path(name: &str) -> std::path::PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("..")
+        .join("fixtures")
+        .join(name)
 }

@@ -1,0 +1,252 @@
+//! Token selection from logits: greedy, or temperature / top-k / top-p sampling with a seeded RNG.
+//!
+//! [`SamplingParams::distribution`] is the single place where temperature, top-k and top-p turn
+//! logits into probabilities, so plain sampling and speculative acceptance see the same
+//! distribution.
+
+use rand::rngs::StdRng;
+use rand::{Rng, SeedableRng};
+use tch::{Kind, Tensor};
+
+use crate::error::{Result, ServeError};
+
+/// How to pick each token. `temperature == 0` means greedy (argmax); top-k 0 and top-p 1 are off.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct SamplingParams {
+    pub temperature: f64,
+    pub top_k: usize,
+    pub top_p: f64,
+    pub seed: u64,
+}
+
+impl Default for SamplingParams {
+    fn default() -> Self {
+        Self {
+            temperature: 0.0,
+            top_k: 0,
+            top_p: 1.0,
+            seed: 0,
+        }
+    }
+}
+
+/// Sampling options on the command line.
+#[derive(Debug, Clone, clap::Args)]
+pub struct SamplingArgs {
+    /// Sampling temperature; 0 decodes greedily (argmax).
+    #[arg(long, default_value_t = 0.0)]
+    pub temperature: f64,
+    /// Keep only the K most likely tokens before sampling (0: off).
+    #[arg(long, default_value_t = 0)]
+    pub top_k: usize,
+    /// Keep the smallest set of tokens whose probability reaches P (1: off).
+    #[arg(long, default_value_t = 1.0)]
+    pub top_p: f64,
+    /// Seed of the sampling RNG (same seed, same output).
+    #[arg(long, default_value_t = 0)]
+    pub seed: u64,
+}
+
+impl SamplingArgs {
+    pub fn params(&self) -> Result<SamplingParams> {
+        let params = SamplingParams {
+            temperature: self.temperature,
+            top_k: self.top_k,
+            top_p: self.top_p,
+            seed: self.seed,
+        };
+        params.validate()?;
+        Ok(params)
+    }
+}
+
+impl SamplingParams {
+    pub fn is_greedy(&self) -> bool {
+        self.temperature == 0.0
+    }
+
+    /// Rejects values that have no meaning (negative temperature, top-p outside (0, 1]).
+    pub fn validate(&self) -> Result<()> {
+        if !(self.temperature >= 0.0 && self.temperature.is_finite()) {
+            return Err(ServeError::Invalid {
+                field: "temperature",
+                message: format!("{} must be a finite number >= 0", self.temperature),
+            });
+        }
+        if !(self.top_p > 0.0 && self.top_p <= 1.0) {
+            return Err(ServeError::Invalid {
+                field: "top_p",
+                message: format!("{} must be in (0, 1]", self.top_p),
+            });
+        }
+        Ok(())
+    }
+
+    /// The sampling distribution over the vocabulary for `logits` (`[vocab]`), f32 on the logits'
+    /// device: softmax(logits / T) restricted to the top-k tokens and then to the top-p nucleus,
+    /// renormalised. Not meaningful for greedy params (use argmax).
+    pub fn distribution(&self, logits: &Tensor) -> Tensor {
+        let scaled = logits.to_kind(Kind::Float) / self.temperature;
+        let vocab = scaled.size()[0] as usize;
+        let filtered = if self.top_k > 0 && self.top_k < vocab {
+            let (top, _) = scaled.topk(self.top_k as i64, 0, true, true);
+            let threshold = top.get(self.top_k as i64 - 1);
+            scaled.masked_fill(&scaled.lt_tensor(&threshold), f64::NEG_INFINITY)
+        } else {
+            scaled
+        };
+        let probs = filtered.softmax(0, Kind::Float);
+        if self.top_p >= 1.0 {
+            return probs;
+        }
+        let (sorted, order) = probs.sort(0, true);
+        // Keep a token when the mass strictly before it is below top_p (so the top token always
+        // stays).
+        let mass_before = sorted.cumsum(0, Kind::Float) - &sorted;
+        let drop_sorted = mass_before.ge(self.top_p);
+        let drop = drop_sorted.zeros_like().scatter(0, &order, &drop_sorted);
+        let kept = probs.masked_fill(&drop, 0.0);
+        &kept / kept.sum(Kind::Float)
+    }
+}
+
+/// Picks tokens according to [`SamplingParams`], owning the seeded RNG.
+pub struct Sampler {
+    params: SamplingParams,
+    rng: StdRng,
+}
+
+impl Sampler {
+    pub fn new(params: SamplingParams) -> Self {
+        Self {
+            rng: StdRng::seed_from_u64(params.seed),
+            params,
+        }
+    }
+
+    pub fn params(&self) -> &SamplingParams {
+        &self.params
+    }
+
+    /// The next token for `logits` (`[vocab]`).
+    pub fn next_token(&mut self, logits: &Tensor) -> u32 {
+        if self.params.is_greedy() {
+            return logits.argmax(0, false).int64_value(&[]) as u32;
+        }
+        let probs = self.params.distribution(logits);
+        self.sample(&probs)
+    }
+
+    /// Draws one index from the probability vector `probs` (`[vocab]`, summing to 1).
+    pub fn sample(&mut self, probs: &Tensor) -> u32 {
+        let probs = Vec::<f32>::try_from(probs.to_device(tch::Device::Cpu))
+            .expect("a 1-D f32 tensor converts to Vec<f32>");
+        sample_index(&probs, self.rng.random::<f64>())
+    }
+}
+
+/// Inverse-CDF draw: the first index whose cumulative probability exceeds `u` (∈ [0, 1)); the last
+/// non-zero index absorbs rounding.
+fn sample_index(probs: &[f32], u: f64) -> u32 {
+    let mut cumulative = 0.0f64;
+    let mut last_nonzero = 0;
+    for (i, &p) in probs.iter().enumerate() {
+        if p > 0.0 {
+            cumulative += p as f64;
+            last_nonzero = i;
+            if u < cumulative {
+                return i as u32;
+            }
+        }
+    }
+    last_nonzero as u32
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn logits() -> Tensor {
+        Tensor::from_slice(&[2.0f32, 1.0, 0.5, -1.0, 3.0])
+    }
+
+    fn params(temperature: f64, top_k: usize, top_p: f64) -> SamplingParams {
+        SamplingParams {
+            temperature,
+            top_k,
+            top_p,
+            seed: 1,
+        }
+    }
+
+    fn to_vec(t: &Tensor) -> Vec<f32> {
+        Vec::<f32>::try_from(t).unwrap()
+    }
+
+    #[test]
+    fn distribution_is_the_tempered_softmax_without_filters() {
+        let probs = to_vec(&params(2.0, 0, 1.0).distribution(&logits()));
+        let expected = to_vec(&(logits() / 2.0).softmax(0, Kind::Float));
+        for (p, e) in probs.iter().zip(expected) {
+            assert!((p - e).abs() < 1e-6);
+        }
+    }
+
+    #[test]
+    fn top_k_keeps_exactly_the_k_largest() {
+        let probs = to_vec(&params(1.0, 2, 1.0).distribution(&logits()));
+        assert_eq!(probs.iter().filter(|&&p| p > 0.0).count(), 2);
+        assert!(probs[4] > probs[0] && probs[0] > 0.0);
+        assert!((probs.iter().sum::<f32>() - 1.0).abs() < 1e-6);
+    }
+
+    #[test]
+    fn top_p_keeps_the_smallest_nucleus_reaching_p() {
+        // Softmax of the logits: token 4 ≈ 0.61, token 0 ≈ 0.22, token 1 ≈ 0.08, ...
+        let probs = to_vec(&params(1.0, 0, 0.7).distribution(&logits()));
+        let kept: Vec<usize> = (0..5).filter(|&i| probs[i] > 0.0).collect();
+        assert_eq!(kept, vec![0, 4]);
+        let only_top = to_vec(&params(1.0, 0, 0.1).distribution(&logits()));
+        assert_eq!(only_top[4], 1.0);
+    }
+
+    #[test]
+    fn greedy_picks_the_argmax_and_seeds_reproduce() {
+        assert_eq!(Sampler::new(params(0.0, 0, 1.0)).next_token(&logits()), 4);
+        let draw = |seed| {
+            let mut s = Sampler::new(SamplingParams {
+                seed,
+                ..params(1.0, 0, 1.0)
+            });
+            (0..20).map(|_| s.next_token(&logits())).collect::<Vec<_>>()
+        };
+        assert_eq!(draw(3), draw(3));
+        assert_ne!(draw(3), draw(4));
+    }
+
+    #[test]
+    fn sampling_frequencies_follow_the_distribution() {
+        let mut sampler = Sampler::new(params(1.0, 0, 1.0));
+        let probs = params(1.0, 0, 1.0).distribution(&logits());
+        let mut counts = [0usize; 5];
+        let n = 20_000;
+        for _ in 0..n {
+            counts[sampler.sample(&probs) as usize] += 1;
+        }
+        for (count, p) in counts.iter().zip(to_vec(&probs)) {
+            let freq = *count as f32 / n as f32;
+            assert!(
+                (freq - p).abs() < 0.015,
+                "frequency {freq} vs probability {p}"
+            );
+        }
+    }
+
+    #[test]
+    fn invalid_params_name_the_field() {
+        let err = params(-1.0, 0, 1.0).validate().unwrap_err().to_string();
+        assert!(err.contains("temperature"), "{err}");
+        let err = params(1.0, 0, 1.5).validate().unwrap_err().to_string();
+        assert!(err.contains("top_p"), "{err}");
+    }
+}
