@@ -159,7 +159,7 @@ impl HfConfig {
                 "num_attention_heads and num_key_value_heads must be > 0".into(),
             ));
         }
-        if self.num_attention_heads % num_key_value_heads != 0 {
+        if !self.num_attention_heads.is_multiple_of(num_key_value_heads) {
             return Err(bad(format!(
                 "num_attention_heads {} is not a multiple of num_key_value_heads {}",
                 self.num_attention_heads, num_key_value_heads
@@ -167,7 +167,7 @@ impl HfConfig {
         }
         let head_dim = match self.head_dim {
             Some(d) => d,
-            None if self.hidden_size % self.num_attention_heads == 0 => {
+            None if self.hidden_size.is_multiple_of(self.num_attention_heads) => {
                 self.hidden_size / self.num_attention_heads
             }
             None => {
@@ -177,7 +177,7 @@ impl HfConfig {
                 )))
             }
         };
-        if head_dim % 2 != 0 {
+        if !head_dim.is_multiple_of(2) {
             return Err(bad(format!(
                 "head_dim {head_dim} must be even for rotary embeddings"
             )));

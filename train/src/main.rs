@@ -1,0 +1,87 @@
+//! `headway-train`: make a target usable (convert) and, as the pipeline grows, prepare features
+//! and train draft heads.
+
+use std::path::PathBuf;
+use std::process::ExitCode;
+use std::time::Instant;
+
+use clap::{Parser, Subcommand};
+use headway_model::gguf::{convert_gguf, OutputDtype};
+use headway_model::target::default_target_dir;
+
+#[derive(Parser)]
+#[command(
+    name = "headway-train",
+    version,
+    about = "Convert target models and train draft heads for speculative decoding."
+)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Convert a llama.cpp GGUF file (Q4_0, Q4_1, Q8_0, Q4_K, Q6_K, F16, BF16 or F32 tensors) into
+    /// an HF-style directory: config.json, model.safetensors, tokenizer.json,
+    /// tokenizer_config.json (with the GGUF's chat template).
+    Convert(ConvertArgs),
+}
+
+#[derive(clap::Args)]
+struct ConvertArgs {
+    /// The GGUF file to convert.
+    #[arg(long)]
+    gguf: PathBuf,
+    /// Output directory (created if needed). Default: the embedded default target's directory,
+    /// which every command uses when given no --target.
+    #[arg(long)]
+    out: Option<PathBuf>,
+    /// Dtype of the dequantised weights in model.safetensors.
+    #[arg(long, value_enum, default_value = "f32")]
+    dtype: OutputDtype,
+}
+
+fn main() -> ExitCode {
+    tracing_subscriber::fmt()
+        .with_env_filter(tracing_subscriber::EnvFilter::from_default_env())
+        .with_writer(std::io::stderr)
+        .init();
+    match run(Cli::parse()) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("error: {e:#}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+fn run(cli: Cli) -> anyhow::Result<()> {
+    match cli.command {
+        Command::Convert(args) => run_convert(args),
+    }
+}
+
+fn run_convert(args: ConvertArgs) -> anyhow::Result<()> {
+    let out = args.out.unwrap_or_else(default_target_dir);
+    let start = Instant::now();
+    let summary = convert_gguf(&args.gguf, &out, args.dtype)?;
+    let types: Vec<String> = summary
+        .source_types
+        .iter()
+        .map(|(kind, count)| format!("{count} {kind}"))
+        .collect();
+    println!(
+        "converted {} → {}: {} ({} tensors from {}, {:.1} M parameters, {} tokens), {:.1} MB written in {:.1} s",
+        args.gguf.display(),
+        out.display(),
+        summary.architecture,
+        summary.tensors,
+        types.join(", "),
+        summary.parameters as f64 / 1e6,
+        summary.vocab_size,
+        summary.bytes_written as f64 / 1e6,
+        start.elapsed().as_secs_f64()
+    );
+    Ok(())
+}
