@@ -9,20 +9,9 @@ use tch::{Kind, Tensor};
 
 use crate::config::ModelConfig;
 use crate::kv_cache::KvCache;
+use crate::linear::Linear;
 use crate::weights::WeightSource;
 use crate::{ModelError, Result};
-
-/// `y = x Wᵀ + b`.
-struct Linear {
-    weight: Tensor,
-    bias: Option<Tensor>,
-}
-
-impl Linear {
-    fn forward(&self, x: &Tensor) -> Tensor {
-        x.linear(&self.weight, self.bias.as_ref())
-    }
-}
 
 /// Loads `{prefix}.{part}.weight` (and `.bias` when `with_bias`) for each part and stacks them
 /// along the output dimension; `rows[i]` is part `i`'s output size.
@@ -52,10 +41,8 @@ fn fused_linear(
             Tensor::f_cat(&ts, 0)?
         })
     };
-    Ok(Linear {
-        weight: fuse(weights)?,
-        bias: if with_bias { Some(fuse(biases)?) } else { None },
-    })
+    let bias = if with_bias { Some(fuse(biases)?) } else { None };
+    Ok(Linear::new(fuse(weights)?, bias))
 }
 
 /// RMSNorm exactly as HF computes it: statistics in f32, scale in the model dtype.
@@ -475,7 +462,7 @@ impl EmbeddingExt for Tensor {
 
 /// The output projection from final hidden states to vocabulary logits.
 pub struct LmHead {
-    weight: Tensor,
+    projection: Linear,
 }
 
 impl LmHead {
@@ -493,17 +480,19 @@ impl LmHead {
                 &[config.vocab_size as i64, config.hidden_size as i64],
             )?
         };
-        Ok(Self { weight })
+        Ok(Self {
+            projection: Linear::new(weight, None),
+        })
     }
 
     /// Logits `[..., vocab]` for hidden states `[..., hidden]`; callers pass only the rows they
     /// need (the last one when decoding).
     pub fn forward(&self, hidden: &Tensor) -> Tensor {
-        hidden.linear::<Tensor>(&self.weight, None)
+        self.projection.forward(hidden)
     }
 
     pub fn weight(&self) -> &Tensor {
-        &self.weight
+        self.projection.weight()
     }
 }
 

@@ -86,7 +86,7 @@ pub struct TargetArgs {
     /// Weight and activation dtype.
     #[arg(long, value_enum, default_value = "f32")]
     pub dtype: DtypeArg,
-    /// CPU threads for libtorch's intra-op parallelism (0: libtorch's default, one per core).
+    /// CPU threads for inference (0: one per core, libtorch's default).
     #[arg(long, default_value_t = 0)]
     pub threads: usize,
 }
@@ -99,10 +99,14 @@ impl TargetArgs {
 
     /// Applies `--threads` and loads the target.
     pub fn load(&self) -> Result<Target> {
-        if self.threads > 0 {
-            tch::set_num_threads(self.threads as i32);
-        }
         let device = parse_device(&self.device)?;
+        if device == Device::Cpu {
+            let threads = match self.threads {
+                0 => tch::get_num_threads().max(1) as usize,
+                n => n,
+            };
+            crate::linear::set_cpu_inference_threads(threads);
+        }
         Target::load(&self.dir(), self.dtype.kind(), device)
     }
 }

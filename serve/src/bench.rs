@@ -77,7 +77,8 @@ pub struct BenchReport {
     pub target: String,
     pub device: String,
     pub dtype: String,
-    pub threads: i32,
+    /// CPU inference threads (see `headway_model::linear`).
+    pub threads: usize,
     pub prompts: usize,
     pub max_new_tokens: usize,
     pub new_tokens: usize,
@@ -133,7 +134,7 @@ pub fn bench_autoregressive(
         target: target.dir.display().to_string(),
         device: format!("{:?}", target.device),
         dtype: format!("{:?}", target.kind),
-        threads: tch::get_num_threads(),
+        threads: headway_model::linear::cpu_inference_threads(),
         prompts: per_prompt.len(),
         max_new_tokens,
         new_tokens,

@@ -156,7 +156,7 @@ fn run_bench(args: BenchArgs) -> anyhow::Result<()> {
         args.max_new_tokens,
         target.device,
         target.kind,
-        tch::get_num_threads()
+        headway_model::linear::cpu_inference_threads()
     );
     let report = bench_autoregressive(&target, &questions, args.max_new_tokens, sampling, |r| {
         eprintln!(

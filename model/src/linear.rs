@@ -1,0 +1,185 @@
+//! `y = x Wᵀ + b`, with a CPU inference path built for the few-row products of decoding.
+//!
+//! Decoding multiplies one (or a few) activation rows by every weight matrix, so its speed is the
+//! rate at which weights stream from memory. Measured on the 2-core development machine (see
+//! docs/benchmarks.md): libtorch's f32 `linear` with one row reads weights at about 11 GB/s and
+//! does not spread the work over its threads, while memory delivers about 32 GB/s. Splitting the
+//! output features between threads and running the `gemm` crate's kernel on each part, on
+//! spinning threads ([`SpinPool`]), reaches about 33 GB/s. The same split serves prefill and
+//! batched feature extraction (`gemm` blocks for cache reuse across rows). Training (tensors that
+//! require grad), other dtypes and GPUs use libtorch.
+
+use std::sync::OnceLock;
+
+use tch::{Device, Kind, Tensor};
+
+use crate::spin_pool::SpinPool;
+
+/// A dense layer whose weight is `[out_features, in_features]` (the HF layout).
+pub struct Linear {
+    weight: Tensor,
+    bias: Option<Tensor>,
+}
+
+impl Linear {
+    /// `weight` is made contiguous so the fast path can read it row by row.
+    pub fn new(weight: Tensor, bias: Option<Tensor>) -> Self {
+        Self {
+            weight: weight.contiguous(),
+            bias,
+        }
+    }
+
+    pub fn weight(&self) -> &Tensor {
+        &self.weight
+    }
+
+    /// `x` is `[..., in_features]`; returns `[..., out_features]`.
+    pub fn forward(&self, x: &Tensor) -> Tensor {
+        let in_features = self.weight.size()[1];
+        let rows = x.numel() as i64 / in_features.max(1);
+        let fast = self.weight.device() == Device::Cpu
+            && self.weight.kind() == Kind::Float
+            && x.kind() == Kind::Float
+            && !self.weight.requires_grad()
+            && !x.requires_grad();
+        if !fast {
+            return x.linear(&self.weight, self.bias.as_ref());
+        }
+        let mut out_shape = x.size();
+        let out_features = self.weight.size()[0];
+        *out_shape.last_mut().expect("x has a feature dimension") = out_features;
+        let y = split_gemm(&x.contiguous().view([rows, in_features]), &self.weight)
+            .view(out_shape.as_slice());
+        match &self.bias {
+            Some(b) => y + b,
+            None => y,
+        }
+    }
+}
+
+static POOL: OnceLock<SpinPool> = OnceLock::new();
+
+/// Gives CPU inference `threads` threads: the fast path's pool gets them all and libtorch's
+/// intra-op pool is cut to one thread. Both pools on the same cores measured 15× slower than
+/// either alone: each one's spinning workers keep the other's off the cores they wait for. The
+/// pool's size is fixed by the first call (or first use); later calls only log a mismatch.
+pub fn set_cpu_inference_threads(threads: usize) {
+    let threads = threads.max(1);
+    let pool = POOL.get_or_init(|| SpinPool::new(threads));
+    if pool.parallelism() != threads {
+        tracing::warn!(
+            requested = threads,
+            running = pool.parallelism(),
+            "the CPU inference pool already runs; keeping its size"
+        );
+    }
+    tch::set_num_threads(1);
+}
+
+/// Threads CPU inference runs on (the pool's size; 1 before any CPU inference).
+pub fn cpu_inference_threads() -> usize {
+    POOL.get().map_or(1, SpinPool::parallelism)
+}
+
+fn pool() -> &'static SpinPool {
+    POOL.get_or_init(|| {
+        let threads = tch::get_num_threads().max(1) as usize;
+        tch::set_num_threads(1);
+        SpinPool::new(threads)
+    })
+}
+
+/// `x [rows, in] · wᵀ` for contiguous f32 CPU tensors, output features split between threads.
+fn split_gemm(x: &Tensor, weight: &Tensor) -> Tensor {
+    let (rows, in_features) = (x.size()[0] as usize, x.size()[1] as usize);
+    let out_features = weight.size()[0] as usize;
+    let y = Tensor::empty(
+        [rows as i64, out_features as i64],
+        (Kind::Float, Device::Cpu),
+    );
+    let pool = pool();
+    let parts = pool.parallelism();
+    // Pointers cross into the pool as integers; every part writes a disjoint column range of `y`.
+    let (x_ptr, w_ptr, y_ptr) = (
+        x.data_ptr() as usize,
+        weight.data_ptr() as usize,
+        y.data_ptr() as usize,
+    );
+    let part_len = out_features.div_ceil(parts);
+    let run_part = |part: usize| {
+        let first = part * part_len;
+        let len = part_len.min(out_features.saturating_sub(first));
+        if len == 0 {
+            return;
+        }
+        // SAFETY: x, weight and y are contiguous f32 CPU tensors of the shapes read above, alive
+        // for the whole call; part `part` reads weight rows first..first+len and writes only
+        // columns first..first+len of y, so parts never overlap.
+        unsafe {
+            gemm::gemm(
+                rows,
+                len,
+                in_features,
+                (y_ptr as *mut f32).add(first),
+                1,
+                out_features as isize,
+                false,
+                x_ptr as *const f32,
+                1,
+                in_features as isize,
+                (w_ptr as *const f32).add(first * in_features),
+                in_features as isize,
+                1,
+                0.0,
+                1.0,
+                false,
+                false,
+                false,
+                gemm::Parallelism::None,
+            );
+        }
+    };
+    pool.run(&run_part);
+    y
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn max_diff(a: &Tensor, b: &Tensor) -> f64 {
+        (a - b).abs().max().double_value(&[])
+    }
+
+    #[test]
+    fn the_fast_path_equals_libtorch_for_every_row_count_and_odd_sizes() {
+        for (rows, out, inp) in [
+            (1, 7, 5),
+            (1, 960, 576),
+            (3, 1001, 64),
+            (8, 333, 130),
+            (9, 64, 32),
+        ] {
+            let x = Tensor::randn([1, rows, inp], (Kind::Float, Device::Cpu));
+            let w = Tensor::randn([out, inp], (Kind::Float, Device::Cpu));
+            let b = Tensor::randn([out], (Kind::Float, Device::Cpu));
+            let layer = Linear::new(w.shallow_clone(), Some(b.shallow_clone()));
+            let expected = x.linear(&w, Some(&b));
+            let got = layer.forward(&x);
+            assert_eq!(got.size(), expected.size());
+            assert!(
+                max_diff(&got, &expected) < 1e-4,
+                "rows {rows} out {out} in {inp}"
+            );
+        }
+    }
+
+    #[test]
+    fn non_contiguous_inputs_are_handled() {
+        let x = Tensor::randn([16, 2], (Kind::Float, Device::Cpu)).tr();
+        let w = Tensor::randn([5, 16], (Kind::Float, Device::Cpu));
+        let got = Linear::new(w.shallow_clone(), None).forward(&x);
+        assert!(max_diff(&got, &x.linear::<Tensor>(&w, None)) < 1e-4);
+    }
+}
