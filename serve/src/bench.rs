@@ -65,12 +65,17 @@ pub struct PromptResult {
     pub category: String,
     pub prompt_tokens: usize,
     pub new_tokens: usize,
+    /// Seconds from the start to the last token, prompt forward included.
     pub seconds: f64,
+    /// Seconds of the prompt forward (time to first token).
+    pub prefill_seconds: f64,
     pub text: String,
     pub token_ids: Vec<u32>,
 }
 
-/// Totals over all prompts; `tokens_per_s` = all new tokens / all generation seconds.
+/// Totals over all prompts. `tokens_per_s` = all new tokens / all generation seconds (prompt
+/// forwards included, as transformers' `generate()` is timed); `decode_tokens_per_s` leaves the
+/// prompt forwards out (tokens after the first / seconds after the first).
 #[derive(Debug, Clone, Serialize)]
 pub struct BenchReport {
     pub method: String,
@@ -84,6 +89,8 @@ pub struct BenchReport {
     pub new_tokens: usize,
     pub seconds: f64,
     pub tokens_per_s: f64,
+    pub prefill_seconds: f64,
+    pub decode_tokens_per_s: f64,
     pub per_prompt: Vec<PromptResult>,
 }
 
@@ -121,6 +128,7 @@ pub fn bench_autoregressive(
             prompt_tokens: prompt.len(),
             new_tokens: out.tokens.len(),
             seconds: out.seconds,
+            prefill_seconds: out.prefill_seconds,
             text: out.text,
             token_ids: out.tokens,
         };
@@ -129,6 +137,8 @@ pub fn bench_autoregressive(
     }
     let new_tokens = per_prompt.iter().map(|r| r.new_tokens).sum();
     let seconds: f64 = per_prompt.iter().map(|r| r.seconds).sum();
+    let prefill_seconds: f64 = per_prompt.iter().map(|r| r.prefill_seconds).sum();
+    let decoded = new_tokens - per_prompt.iter().filter(|r| r.new_tokens > 0).count();
     Ok(BenchReport {
         method: "ar".into(),
         target: target.dir.display().to_string(),
@@ -140,6 +150,8 @@ pub fn bench_autoregressive(
         new_tokens,
         seconds,
         tokens_per_s: new_tokens as f64 / seconds.max(f64::MIN_POSITIVE),
+        prefill_seconds,
+        decode_tokens_per_s: decoded as f64 / (seconds - prefill_seconds).max(f64::MIN_POSITIVE),
         per_prompt,
     })
 }

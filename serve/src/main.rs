@@ -160,17 +160,24 @@ fn run_bench(args: BenchArgs) -> anyhow::Result<()> {
     );
     let report = bench_autoregressive(&target, &questions, args.max_new_tokens, sampling, |r| {
         eprintln!(
-            "  question {:>3} {:<15} {:>4} tokens {:>6.2} s {:>6.1} tok/s",
+            "  question {:>3} {:<15} {:>4} prompt + {:>4} new tokens {:>6.2} s (prefill {:.2} s) {:>6.1} tok/s",
             r.question_id,
             r.category,
+            r.prompt_tokens,
             r.new_tokens,
             r.seconds,
+            r.prefill_seconds,
             r.new_tokens as f64 / r.seconds
         );
     })?;
     println!(
-        "method ar: {} prompts, {} new tokens, {:.2} s, {:.1} tokens/s",
-        report.prompts, report.new_tokens, report.seconds, report.tokens_per_s
+        "method ar: {} prompts, {} new tokens, {:.2} s, {:.1} tokens/s (prompt forwards {:.2} s; decoding alone {:.1} tokens/s)",
+        report.prompts,
+        report.new_tokens,
+        report.seconds,
+        report.tokens_per_s,
+        report.prefill_seconds,
+        report.decode_tokens_per_s
     );
     if let Some(path) = &args.json {
         let text = serde_json::to_string_pretty(&report)?;
