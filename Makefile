@@ -59,6 +59,7 @@ fixtures: ref-env
 bench: model build ref-env
 	$(BIN)/headway-serve bench --method ar --threads 2 --questions $(QUESTIONS) --json bench-ar.json
 	$(PYTHON) scripts/bench_transformers.py --threads 2 --questions $(QUESTIONS) --json bench-transformers.json
+	$(PYTHON) scripts/compare_token_ids.py bench-ar.json bench-transformers.json
 
 clean-cache:
 	rm -rf $(VENV) $(HEADWAY_HOME)/models $(CARGO_TARGET_DIR)

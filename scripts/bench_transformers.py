@@ -97,6 +97,8 @@ def main() -> None:
                     "prompt_tokens": ids.shape[1],
                     "new_tokens": new_tokens,
                     "seconds": seconds,
+                    # For `headway-serve compare`-style checks: greedy ids must equal Headway's.
+                    "token_ids": out[0, ids.shape[1] :].tolist(),
                 }
             )
             print(f"question_id={q['question_id']}: {new_tokens} new tokens in {seconds:.3f} s")
