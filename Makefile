@@ -55,6 +55,7 @@ ref-env: venv
 
 fixtures: ref-env
 	$(PYTHON) scripts/make_fixtures.py --questions $(QUESTIONS)
+	$(PYTHON) scripts/make_architecture_fixtures.py
 
 bench: model build ref-env
 	$(BIN)/headway-serve bench --method ar --threads 2 --questions $(QUESTIONS) --json bench-ar.json

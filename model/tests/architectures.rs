@@ -1,0 +1,61 @@
+//! Every supported architecture matches transformers on a tiny random model
+//! (fixtures from `scripts/make_architecture_fixtures.py`): Llama-3 rope scaling, untied
+//! embeddings, Mistral, Qwen2's q/k/v bias, Qwen3's q/k norms with an explicit head_dim.
+
+use headway_model::testing::fixture_path;
+use headway_model::{CausalLm, ForwardInput, ModelConfig, SafetensorsWeights};
+use tch::{Device, Kind, Tensor};
+
+fn check(name: &str) {
+    let dir = fixture_path("architectures").join(name);
+    let config = ModelConfig::from_dir(&dir).unwrap();
+    let mut weights = SafetensorsWeights::open(&dir, Kind::Float, Device::Cpu).unwrap();
+    let model = CausalLm::load(&config, &mut weights).unwrap();
+    let reference = Tensor::read_safetensors(dir.join("reference.safetensors")).unwrap();
+    let get = |key: &str| {
+        reference
+            .iter()
+            .find(|(n, _)| n == key)
+            .map(|(_, t)| t.shallow_clone())
+            .unwrap()
+    };
+    let input_ids = get("input_ids").unsqueeze(0);
+    let positions = get("position_ids").unsqueeze(0);
+    let input = ForwardInput {
+        input_ids: &input_ids,
+        positions: &positions,
+        mask: None,
+        taps: &[],
+    };
+    let hidden = tch::no_grad(|| model.model.forward(&input, None))
+        .unwrap()
+        .hidden;
+    let logits = model.lm_head.forward(&hidden.squeeze_dim(0));
+    let diff = (logits - get("logits")).abs().max().double_value(&[]);
+    assert!(diff < 1e-4, "{name}: max |Δlogit| {diff}");
+}
+
+#[test]
+fn llama3_rope_scaling_matches_transformers() {
+    check("llama3_rope_scaling");
+}
+
+#[test]
+fn untied_llama_matches_transformers() {
+    check("llama_untied");
+}
+
+#[test]
+fn mistral_matches_transformers() {
+    check("mistral");
+}
+
+#[test]
+fn qwen2_with_qkv_bias_matches_transformers() {
+    check("qwen2");
+}
+
+#[test]
+fn qwen3_with_qk_norm_and_head_dim_matches_transformers() {
+    check("qwen3");
+}
