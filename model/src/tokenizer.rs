@@ -5,6 +5,9 @@ use std::path::Path;
 
 use crate::{ModelError, Result};
 
+/// Byte range `(start, end)` in the encoded text of each token, in token order.
+pub type TokenOffsets = Vec<(usize, usize)>;
+
 /// A loaded `tokenizer.json`.
 pub struct TextTokenizer {
     inner: tokenizers::Tokenizer,
@@ -36,6 +39,20 @@ impl TextTokenizer {
             .encode(text, add_special_tokens)
             .map_err(|e| tokenizer_error("encode", e))?;
         Ok(encoding.get_ids().to_vec())
+    }
+
+    /// As [`Self::encode`], plus each token's byte range `(start, end)` in `text` (special tokens
+    /// included; a token added by the post-processor, such as a BOS, gets an empty range).
+    pub fn encode_with_offsets(
+        &self,
+        text: &str,
+        add_special_tokens: bool,
+    ) -> Result<(Vec<u32>, TokenOffsets)> {
+        let encoding = self
+            .inner
+            .encode(text, add_special_tokens)
+            .map_err(|e| tokenizer_error("encode", e))?;
+        Ok((encoding.get_ids().to_vec(), encoding.get_offsets().to_vec()))
     }
 
     /// Text of `ids`, keeping or dropping special tokens.

@@ -1,0 +1,146 @@
+//! Deterministic train / held-out split.
+//!
+//! A conversation's side depends only on its own key — the id, or the turns' content when the id
+//! is empty — so it never moves when the corpus grows, is reordered or is read on another machine.
+//! The hash is FNV-1a 64 (offset basis `0xcbf29ce484222325`, prime `0x100000001b3`) finished with
+//! the SplitMix64 mixer, written out here so that it cannot change under us (std's
+//! `DefaultHasher` makes no such promise across releases). FNV-1a alone leaves the high bits
+//! of short, similar ids (`q_1`, `q_2`, …) correlated; the mixer spreads every input bit over the
+//! whole word. The top 53 bits, read as a fraction `u` in [0, 1), put a conversation in the
+//! held-out set when `u < held_out_fraction`.
+
+use crate::conversation::Conversation;
+use crate::error::{DatasetError, Result};
+
+/// FNV-1a, 64 bits.
+pub fn fnv1a64(bytes: &[u8]) -> u64 {
+    const OFFSET_BASIS: u64 = 0xcbf2_9ce4_8422_2325;
+    const PRIME: u64 = 0x0000_0100_0000_01b3;
+    bytes.iter().fold(OFFSET_BASIS, |hash, &b| {
+        (hash ^ u64::from(b)).wrapping_mul(PRIME)
+    })
+}
+
+/// The SplitMix64 finaliser: a bijection on `u64` in which every input bit affects every output
+/// bit.
+pub fn mix64(mut x: u64) -> u64 {
+    x = (x ^ (x >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+    x = (x ^ (x >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+    x ^ (x >> 31)
+}
+
+/// Which side of the split a conversation is on.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Split {
+    Train,
+    HeldOut,
+}
+
+/// The key a conversation is split by: `mix64(fnv1a64(id))`, or its
+/// [`Conversation::content_hash`] when the id is empty.
+pub fn split_hash(conversation: &Conversation) -> u64 {
+    if conversation.id.is_empty() {
+        conversation.content_hash()
+    } else {
+        mix64(fnv1a64(conversation.id.as_bytes()))
+    }
+}
+
+fn check_fraction(held_out_fraction: f64) -> Result<()> {
+    if (0.0..=1.0).contains(&held_out_fraction) {
+        Ok(())
+    } else {
+        Err(DatasetError::Argument(format!(
+            "held-out fraction must be in [0, 1], got {held_out_fraction}"
+        )))
+    }
+}
+
+/// The side of `conversation` for a held-out fraction in [0, 1] (0: all train, 1: all held out).
+pub fn split_of(conversation: &Conversation, held_out_fraction: f64) -> Result<Split> {
+    check_fraction(held_out_fraction)?;
+    Ok(side(split_hash(conversation), held_out_fraction))
+}
+
+fn side(hash: u64, held_out_fraction: f64) -> Split {
+    // 53 bits fit an f64 mantissa exactly.
+    let u = (hash >> 11) as f64 / (1u64 << 53) as f64;
+    if u < held_out_fraction {
+        Split::HeldOut
+    } else {
+        Split::Train
+    }
+}
+
+/// Splits `conversations` into `(train, held_out)`, each in input order.
+pub fn split(
+    conversations: Vec<Conversation>,
+    held_out_fraction: f64,
+) -> Result<(Vec<Conversation>, Vec<Conversation>)> {
+    check_fraction(held_out_fraction)?;
+    Ok(conversations
+        .into_iter()
+        .partition(|c| side(split_hash(c), held_out_fraction) == Split::Train))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::conversation::{Role, Turn};
+
+    fn with_id(id: String) -> Conversation {
+        Conversation {
+            id,
+            turns: vec![Turn::new(Role::User, "same content")],
+        }
+    }
+
+    #[test]
+    fn fnv1a64_matches_the_published_test_vectors() {
+        assert_eq!(fnv1a64(b""), 0xcbf2_9ce4_8422_2325);
+        assert_eq!(fnv1a64(b"a"), 0xaf63_dc4c_8601_ec8c);
+        assert_eq!(fnv1a64(b"foobar"), 0x8594_4171_f739_67e8);
+    }
+
+    #[test]
+    fn the_split_depends_only_on_the_id_and_hits_the_fraction_on_10k_ids() {
+        let ids: Vec<String> = (0..10_000).map(|i| format!("q_{i}")).collect();
+        let convs: Vec<Conversation> = ids.iter().cloned().map(with_id).collect();
+        let (train, held) = split(convs.clone(), 0.1).unwrap();
+        assert_eq!(train.len() + held.len(), 10_000);
+        // Binomial(10k, 0.1) has a standard deviation of 30; allow 5 of them.
+        assert!(
+            (held.len() as i64 - 1000).abs() < 150,
+            "{} held out",
+            held.len()
+        );
+        // Same ids, another order, another run: same sides.
+        let mut reversed = convs.clone();
+        reversed.reverse();
+        let (_, held_again) = split(reversed, 0.1).unwrap();
+        let mut a: Vec<&str> = held.iter().map(|c| c.id.as_str()).collect();
+        let mut b: Vec<&str> = held_again.iter().map(|c| c.id.as_str()).collect();
+        a.sort_unstable();
+        b.sort_unstable();
+        assert_eq!(a, b);
+        // A pinned value guards against the hash changing between releases.
+        assert_eq!(split_hash(&with_id("q_0".into())), 0xf584_c76a_1fce_2bf3);
+        assert_eq!(split_of(&convs[0], 0.0).unwrap(), Split::Train);
+        assert_eq!(split_of(&convs[0], 1.0).unwrap(), Split::HeldOut);
+    }
+
+    #[test]
+    fn conversations_without_an_id_are_split_by_content() {
+        let a = Conversation {
+            id: String::new(),
+            turns: vec![Turn::new(Role::User, "x")],
+        };
+        assert_eq!(split_hash(&a), a.content_hash());
+    }
+
+    #[test]
+    fn a_fraction_outside_zero_to_one_is_an_error() {
+        assert!(split(Vec::new(), 1.5).is_err());
+        assert!(split(Vec::new(), f64::NAN).is_err());
+    }
+}
