@@ -245,13 +245,7 @@ impl GgufFile {
     }
 
     fn tensor_info(&self, name: &str) -> Result<&TensorInfo> {
-        self.content
-            .tensor_infos
-            .get(name)
-            .ok_or_else(|| ModelError::MissingWeight {
-                name: name.to_string(),
-                path: self.path.clone(),
-            })
+        find_tensor(&self.content, &self.path, name)
     }
 
     /// The HF-order shape of a tensor (candle already reverses GGUF's innermost-first order).
@@ -276,14 +270,8 @@ impl GgufFile {
     /// Reads and dequantises one tensor to f32.
     pub fn read_dense(&mut self, name: &str) -> Result<DenseTensor> {
         let dtype = self.supported_type(name)?;
-        let info =
-            self.content
-                .tensor_infos
-                .get(name)
-                .ok_or_else(|| ModelError::MissingWeight {
-                    name: name.to_string(),
-                    path: self.path.clone(),
-                })?;
+        // A free function, so `info` borrows only `content` while `reader` is borrowed mutably.
+        let info = find_tensor(&self.content, &self.path, name)?;
         let candle_error = |e: candle_core::Error| ModelError::Gguf {
             path: self.path.clone(),
             message: format!("tensor {name} ({}): {e}", ggml_type_name(dtype)),
@@ -305,4 +293,15 @@ impl GgufFile {
             values,
         })
     }
+}
+
+/// The info of tensor `name` in `content`, or an error naming it and the file.
+fn find_tensor<'a>(content: &'a Content, path: &Path, name: &str) -> Result<&'a TensorInfo> {
+    content
+        .tensor_infos
+        .get(name)
+        .ok_or_else(|| ModelError::MissingWeight {
+            name: name.to_string(),
+            path: path.to_path_buf(),
+        })
 }
