@@ -205,6 +205,7 @@ mod tests {
         Conversation {
             id: "test".into(),
             turns: turns.iter().map(|&(r, c)| Turn::new(r, c)).collect(),
+            split_group: None,
         }
     }
 

@@ -68,6 +68,10 @@ pub struct Conversation {
     pub id: String,
     /// Never empty, and no turn is empty or whitespace-only (readers drop those).
     pub turns: Vec<Turn>,
+    /// Conversations sharing a group always land on the same side of the train / held-out split:
+    /// ShareGPT cuts one long chat into records `X_0`, `X_1`, …, and splitting those apart would
+    /// leak held-out text into training. `None`: the id (or content) alone decides.
+    pub split_group: Option<String>,
 }
 
 impl Conversation {
@@ -132,6 +136,7 @@ mod tests {
         Conversation {
             id: id.to_string(),
             turns: turns.iter().map(|&(r, c)| Turn::new(r, c)).collect(),
+            split_group: None,
         }
     }
 

@@ -313,7 +313,15 @@ pub fn parse_jsonl_chat(text: &str, path: &Path) -> Result<Corpus> {
         };
         let turns = clean_turns(roles, &mut report.empty_turns_dropped);
         let id = line.id.map(RawId::into_string).unwrap_or_default();
-        report.admit(Conversation { id, turns }, true, &mut conversations);
+        report.admit(
+            Conversation {
+                id,
+                turns,
+                split_group: None,
+            },
+            true,
+            &mut conversations,
+        );
     }
     Ok(Corpus {
         conversations,
@@ -340,7 +348,15 @@ pub fn parse_spec_bench(text: &str, path: &Path) -> Result<Corpus> {
             &mut report.empty_turns_dropped,
         );
         let id = line.question_id.into_string();
-        report.admit(Conversation { id, turns }, false, &mut conversations);
+        report.admit(
+            Conversation {
+                id,
+                turns,
+                split_group: None,
+            },
+            false,
+            &mut conversations,
+        );
     }
     Ok(Corpus {
         conversations,
@@ -359,6 +375,7 @@ pub fn parse_plain_text(text: &str) -> Corpus {
             conversations.push(Conversation {
                 id: String::new(),
                 turns: vec![crate::Turn::new(Role::Assistant, document.join("\n"))],
+                split_group: None,
             });
             document.clear();
         }

@@ -171,12 +171,26 @@ pub fn parse_sharegpt(bytes: &[u8], path: &Path) -> Result<Corpus> {
             continue;
         };
         let turns = clean_turns(roles, &mut report.empty_turns_dropped);
-        report.admit(Conversation { id: raw.id, turns }, true, &mut conversations);
+        let split_group = sharegpt_group(&raw.id);
+        let conversation = Conversation {
+            id: raw.id,
+            turns,
+            split_group,
+        };
+        report.admit(conversation, true, &mut conversations);
     }
     Ok(Corpus {
         conversations,
         report,
     })
+}
+
+/// The chat a ShareGPT record belongs to: its id without the `_<part>` suffix that ShareGPT adds
+/// when it cuts a long chat into several records; `None` for ids without one.
+fn sharegpt_group(id: &str) -> Option<String> {
+    let (chat, part) = id.rsplit_once('_')?;
+    let is_part = !chat.is_empty() && !part.is_empty() && part.bytes().all(|b| b.is_ascii_digit());
+    is_part.then(|| chat.to_string())
 }
 
 #[cfg(test)]
@@ -197,6 +211,16 @@ mod tests {
     {"from": "chatgpt", "value": "{\"json\": [1, 2]}"}]},
   {"id": "c_0", "conversations": [{"from": "user", "value": "q"}, {"from": "bard", "value": "a"}]},
   {"id": "d_0", "conversations": [{"from": "human", "value": "cut \"here {"#;
+
+    #[test]
+    fn parts_of_one_sharegpt_chat_share_a_split_group() {
+        assert_eq!(sharegpt_group("QWJhYvA_0").as_deref(), Some("QWJhYvA"));
+        assert_eq!(sharegpt_group("QWJhYvA_12").as_deref(), Some("QWJhYvA"));
+        assert_eq!(sharegpt_group("a_b_3").as_deref(), Some("a_b"));
+        for id in ["QWJhYvA", "x_", "_3", "v_2a", ""] {
+            assert_eq!(sharegpt_group(id), None, "{id:?}");
+        }
+    }
 
     #[test]
     fn a_sharegpt_file_cut_mid_record_yields_every_whole_record() {

@@ -36,13 +36,13 @@ pub enum Split {
     HeldOut,
 }
 
-/// The key a conversation is split by: `mix64(fnv1a64(id))`, or its
-/// [`Conversation::content_hash`] when the id is empty.
+/// The key a conversation is split by: `mix64(fnv1a64(split_group))` when it has a group, else
+/// `mix64(fnv1a64(id))`, or its [`Conversation::content_hash`] when the id is empty.
 pub fn split_hash(conversation: &Conversation) -> u64 {
-    if conversation.id.is_empty() {
-        conversation.content_hash()
-    } else {
-        mix64(fnv1a64(conversation.id.as_bytes()))
+    match (&conversation.split_group, conversation.id.is_empty()) {
+        (Some(group), _) => mix64(fnv1a64(group.as_bytes())),
+        (None, true) => conversation.content_hash(),
+        (None, false) => mix64(fnv1a64(conversation.id.as_bytes())),
     }
 }
 
@@ -92,6 +92,7 @@ mod tests {
         Conversation {
             id,
             turns: vec![Turn::new(Role::User, "same content")],
+            split_group: None,
         }
     }
 
@@ -130,10 +131,27 @@ mod tests {
     }
 
     #[test]
+    fn a_split_group_overrides_the_id() {
+        let parts: Vec<Conversation> = (0..50)
+            .map(|i| Conversation {
+                split_group: Some("chat".into()),
+                ..with_id(format!("chat_{i}"))
+            })
+            .collect();
+        let sides: Vec<Split> = parts.iter().map(|c| split_of(c, 0.5).unwrap()).collect();
+        assert!(
+            sides.iter().all(|&s| s == sides[0]),
+            "every part on one side"
+        );
+        assert_eq!(split_hash(&parts[0]), mix64(fnv1a64(b"chat")));
+    }
+
+    #[test]
     fn conversations_without_an_id_are_split_by_content() {
         let a = Conversation {
             id: String::new(),
             turns: vec![Turn::new(Role::User, "x")],
+            split_group: None,
         };
         assert_eq!(split_hash(&a), a.content_hash());
     }
