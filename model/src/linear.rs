@@ -63,8 +63,8 @@ static POOL: OnceLock<SpinPool> = OnceLock::new();
 /// Gives CPU inference `threads` threads: the fast path's pool gets them all and libtorch's
 /// intra-op pool is cut to one thread. With both pools on the same cores a decode step measured
 /// about 8× slower (168 ms instead of 22 ms on SmolLM2): each one's spinning workers keep the
-/// other's off the cores they wait for. The
-/// pool's size is fixed by the first call (or first use); later calls only log a mismatch.
+/// other's off the cores they wait for. The pool's size is fixed by the first call (or first
+/// use); later calls only log a mismatch.
 pub fn set_cpu_inference_threads(threads: usize) {
     let threads = threads.max(1);
     let pool = POOL.get_or_init(|| SpinPool::new(threads));
