@@ -30,6 +30,8 @@ impl Message {
 /// A compiled chat template with the special-token strings it may refer to.
 pub struct ChatTemplate {
     env: Environment<'static>,
+    /// The Jinja source, kept so outputs made with the template can record which one it was.
+    source: String,
     bos_token: String,
     eos_token: String,
 }
@@ -142,13 +144,19 @@ impl ChatTemplate {
                 Err(minijinja::Error::new(ErrorKind::InvalidOperation, message))
             },
         );
-        env.add_template_owned(TEMPLATE_NAME, template)
+        env.add_template_owned(TEMPLATE_NAME, template.clone())
             .map_err(|e| ModelError::Template(format!("cannot compile: {e:#}")))?;
         Ok(Self {
             env,
+            source: template,
             bos_token,
             eos_token,
         })
+    }
+
+    /// What decides the rendering: the Jinja source and the BOS / EOS strings it is given.
+    pub fn identity(&self) -> String {
+        format!("{}\0{}\0{}", self.source, self.bos_token, self.eos_token)
     }
 
     /// The prompt text for `messages`; with `add_generation_prompt` it ends where the assistant's

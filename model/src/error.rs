@@ -39,6 +39,12 @@ pub enum ModelError {
     Template(String),
     #[error("invalid input: {0}")]
     Input(String),
+    /// A request parameter out of its range (sampling settings, token budgets).
+    #[error("invalid {field}: {message}")]
+    Invalid {
+        field: &'static str,
+        message: String,
+    },
     #[error("torch: {0}")]
     Torch(#[from] tch::TchError),
 }

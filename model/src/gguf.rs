@@ -21,12 +21,12 @@ mod tokenizer;
 mod tests;
 
 use std::collections::{BTreeMap, HashMap};
-use std::fs::File;
 use std::io::{BufWriter, Write};
 use std::path::{Path, PathBuf};
 
 use serde::Serialize;
 
+use crate::files::write_atomically;
 use crate::{ModelError, Result};
 use file::GgufFile;
 use hf_config::GgufArchitecture;
@@ -198,39 +198,4 @@ fn write_safetensors(
             }
         })
     })
-}
-
-/// Writes `path` through a temporary file in the same directory that is synced and then renamed
-/// over `path`. `write` gets the open temporary file and its path (for writers that open by
-/// path). Returns the size of the written file. On error the temporary file is removed.
-fn write_atomically(
-    path: &Path,
-    write: impl FnOnce(&mut File, &Path) -> Result<()>,
-) -> Result<u64> {
-    let dir = path.parent().unwrap_or(Path::new("."));
-    let name = path.file_name().map(|n| n.to_string_lossy().into_owned());
-    let prefix = format!(".{}.", name.unwrap_or_default());
-    let mut builder = tempfile::Builder::new();
-    builder.prefix(&prefix).suffix(".tmp");
-    // Temporary files are owner-only by default; the outputs get File::create's mode instead
-    // (0666 less the umask).
-    #[cfg(unix)]
-    {
-        use std::os::unix::fs::PermissionsExt;
-        builder.permissions(std::fs::Permissions::from_mode(0o666));
-    }
-    let mut temp = builder
-        .tempfile_in(dir)
-        .map_err(|e| ModelError::io(dir, e))?;
-    let temp_path = temp.path().to_path_buf();
-    write(temp.as_file_mut(), &temp_path)?;
-    let file = temp.as_file();
-    file.sync_all().map_err(|e| ModelError::io(&temp_path, e))?;
-    let len = file
-        .metadata()
-        .map_err(|e| ModelError::io(&temp_path, e))?
-        .len();
-    temp.persist(path)
-        .map_err(|e| ModelError::io(path, e.error))?;
-    Ok(len)
 }

@@ -9,6 +9,7 @@
 //! batched feature extraction (`gemm` blocks for cache reuse across rows). Training (tensors that
 //! require grad), other dtypes and GPUs use libtorch.
 
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::OnceLock;
 
 use tch::{Device, Kind, Tensor};
@@ -42,7 +43,8 @@ impl Linear {
             && self.weight.kind() == Kind::Float
             && x.kind() == Kind::Float
             && !self.weight.requires_grad()
-            && !x.requires_grad();
+            && !x.requires_grad()
+            && !BATCH_WORKLOAD.load(Ordering::Relaxed);
         if !fast {
             return x.linear(&self.weight, self.bias.as_ref());
         }
@@ -59,12 +61,27 @@ impl Linear {
 }
 
 static POOL: OnceLock<SpinPool> = OnceLock::new();
+/// Set while [`CpuWorkload::Batch`] is in force: every product goes to libtorch.
+static BATCH_WORKLOAD: AtomicBool = AtomicBool::new(false);
+
+/// What the CPU is about to run, which decides who owns the cores.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum CpuWorkload {
+    /// Few rows per product (decoding, verification): the fast path on the spin pool, libtorch
+    /// cut to one thread.
+    Decode,
+    /// Many rows per product (feature extraction over long batches): libtorch everywhere, on the
+    /// pool's thread count. Its BLAS is at least as fast as the fast path on big products, and
+    /// then the other ops (attention, norms, activations) get every core too: measured on
+    /// `prepare` (SmolLM2, 2 threads, 4096-token batches) this was the faster setting.
+    Batch,
+}
 
 /// Gives CPU inference `threads` threads: the fast path's pool gets them all and libtorch's
-/// intra-op pool is cut to one thread. With both pools on the same cores a decode step measured
-/// about 8× slower (168 ms instead of 22 ms on SmolLM2): each one's spinning workers keep the
-/// other's off the cores they wait for. The pool's size is fixed by the first call (or first
-/// use); later calls only log a mismatch.
+/// intra-op pool is cut to one thread ([`CpuWorkload::Decode`]). With both pools on the same
+/// cores a decode step measured about 8× slower (168 ms instead of 22 ms on SmolLM2): each one's
+/// spinning workers keep the other's off the cores they wait for. The pool's size is fixed by
+/// the first call (or first use); later calls only log a mismatch.
 pub fn set_cpu_inference_threads(threads: usize) {
     let threads = threads.max(1);
     let pool = POOL.get_or_init(|| SpinPool::new(threads));
@@ -75,7 +92,19 @@ pub fn set_cpu_inference_threads(threads: usize) {
             "the CPU inference pool already runs; keeping its size"
         );
     }
-    tch::set_num_threads(1);
+    set_cpu_workload(CpuWorkload::Decode);
+}
+
+/// Switches between decode-style and batch-style CPU work (see [`CpuWorkload`]) on the threads
+/// set by [`set_cpu_inference_threads`]. The spin pool's workers park 2 ms after their last job,
+/// so a switch to [`CpuWorkload::Batch`] leaves libtorch's threads the cores.
+pub fn set_cpu_workload(workload: CpuWorkload) {
+    let threads = pool().parallelism();
+    BATCH_WORKLOAD.store(workload == CpuWorkload::Batch, Ordering::SeqCst);
+    tch::set_num_threads(match workload {
+        CpuWorkload::Decode => 1,
+        CpuWorkload::Batch => threads as i32,
+    });
 }
 
 /// Threads CPU inference runs on (the pool's size; 1 before any CPU inference).

@@ -78,32 +78,12 @@ pub fn weight_shapes(config: &ModelConfig) -> Vec<(String, Vec<i64>)> {
 
 /// Writes `tensors` (f32, CPU) to a safetensors file.
 pub fn write_safetensors(path: &Path, tensors: &[(String, Tensor)]) -> Result<()> {
-    let data: Vec<(String, Vec<u8>, Vec<usize>)> = tensors
+    let as_f32: Vec<(String, Tensor)> = tensors
         .iter()
-        .map(|(name, t)| {
-            let t = t.to_kind(Kind::Float).contiguous();
-            let values = Vec::<f32>::try_from(t.flatten(0, -1))?;
-            let bytes = values.iter().flat_map(|v| v.to_le_bytes()).collect();
-            let shape = t.size().iter().map(|&d| d as usize).collect();
-            Ok((name.clone(), bytes, shape))
-        })
-        .collect::<Result<_>>()?;
-    let views = data
-        .iter()
-        .map(|(name, bytes, shape)| {
-            safetensors::tensor::TensorView::new(safetensors::Dtype::F32, shape.clone(), bytes)
-                .map(|view| (name.clone(), view))
-        })
-        .collect::<std::result::Result<Vec<_>, _>>()
-        .map_err(|e| safetensors_error(path, e))?;
-    safetensors::serialize_to_file(views, None, path).map_err(|e| safetensors_error(path, e))
-}
-
-fn safetensors_error(path: &Path, e: impl std::fmt::Display) -> ModelError {
-    ModelError::Safetensors {
-        path: path.to_path_buf(),
-        message: e.to_string(),
-    }
+        .map(|(name, t)| (name.clone(), t.to_kind(Kind::Float)))
+        .collect();
+    let bytes = crate::safetensors_io::to_safetensors_bytes(&as_f32, None, path)?;
+    std::fs::write(path, bytes).map_err(|e| ModelError::io(path, e))
 }
 
 /// Writes a complete tiny model directory whose weights are [`RandomWeights`] with `seed`.

@@ -11,9 +11,10 @@ use memmap2::Mmap;
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 use safetensors::tensor::Metadata;
-use safetensors::{Dtype, SafeTensors};
+use safetensors::SafeTensors;
 use tch::{Device, Kind, Tensor};
 
+use crate::safetensors_io::kind_of;
 use crate::{ModelError, Result};
 
 /// Hands out a model's tensors by HF name.
@@ -74,18 +75,6 @@ impl SafetensorsFile {
     }
 }
 
-fn kind_of(dtype: Dtype) -> Option<Kind> {
-    match dtype {
-        Dtype::F32 => Some(Kind::Float),
-        Dtype::F16 => Some(Kind::Half),
-        Dtype::BF16 => Some(Kind::BFloat16),
-        Dtype::F64 => Some(Kind::Double),
-        Dtype::I64 => Some(Kind::Int64),
-        Dtype::I32 => Some(Kind::Int),
-        _ => None,
-    }
-}
-
 /// The weights of an HF model directory: `model.safetensors`, or the shards listed in
 /// `model.safetensors.index.json`.
 pub struct SafetensorsWeights {
@@ -104,22 +93,7 @@ struct ShardIndex {
 impl SafetensorsWeights {
     /// Opens the checkpoint in `dir`; tensors are later converted to `kind` on `device`.
     pub fn open(dir: &Path, kind: Kind, device: Device) -> Result<Self> {
-        let index_path = dir.join("model.safetensors.index.json");
-        let single = dir.join("model.safetensors");
-        let paths = if index_path.exists() {
-            shard_paths(dir, &index_path)?
-        } else if single.exists() {
-            vec![single]
-        } else {
-            return Err(ModelError::io(
-                &single,
-                std::io::Error::new(
-                    std::io::ErrorKind::NotFound,
-                    "no model.safetensors or model.safetensors.index.json in the model directory",
-                ),
-            ));
-        };
-        Self::from_files(&paths, kind, device)
+        Self::from_files(&weight_files(dir)?, kind, device)
     }
 
     /// Opens an explicit list of safetensors files (later names win on duplicates).
@@ -147,6 +121,26 @@ impl SafetensorsWeights {
             [one] => one.path.clone(),
             many => PathBuf::from(format!("{} safetensors shards", many.len())),
         }
+    }
+}
+
+/// The safetensors files of the HF model directory `dir`: `model.safetensors`, or the shards that
+/// `model.safetensors.index.json` lists (sorted, each once).
+pub fn weight_files(dir: &Path) -> Result<Vec<PathBuf>> {
+    let index_path = dir.join("model.safetensors.index.json");
+    let single = dir.join("model.safetensors");
+    if index_path.exists() {
+        shard_paths(dir, &index_path)
+    } else if single.exists() {
+        Ok(vec![single])
+    } else {
+        Err(ModelError::io(
+            &single,
+            std::io::Error::new(
+                std::io::ErrorKind::NotFound,
+                "no model.safetensors or model.safetensors.index.json in the model directory",
+            ),
+        ))
     }
 }
 

@@ -11,8 +11,8 @@ use headway_model::{Message, Target};
 use serde::{Deserialize, Serialize};
 
 use crate::error::{Result, ServeError};
-use crate::generate::generate;
-use crate::sampling::{Sampler, SamplingParams};
+use headway_model::generate;
+use headway_model::{Sampler, SamplingParams};
 
 /// One Spec-Bench row.
 #[derive(Debug, Clone, Deserialize)]

@@ -1,8 +1,7 @@
-//! Serving: plain generation, sampling and benchmarks (the speculative engine builds on these).
+//! Serving: benchmarks of decoding methods (the speculative engine builds on the target's plain
+//! generation and sampling in `headway_model`).
 
 pub mod bench;
 pub mod error;
-pub mod generate;
-pub mod sampling;
 
 pub use error::{Result, ServeError};

@@ -7,10 +7,10 @@ use std::process::ExitCode;
 
 use anyhow::Context;
 use clap::{Parser, Subcommand};
+use headway_model::generate;
 use headway_model::{Message, TargetArgs};
+use headway_model::{Sampler, SamplingArgs};
 use headway_serve::bench::{bench_autoregressive, load_questions, spread};
-use headway_serve::generate::generate;
-use headway_serve::sampling::{Sampler, SamplingArgs};
 
 #[derive(Parser)]
 #[command(

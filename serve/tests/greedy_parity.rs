@@ -1,10 +1,10 @@
 //! Greedy generation on the real SmolLM2 equals transformers' `generate(do_sample=False)` token
 //! for token (fixture written by `scripts/make_fixtures.py`).
 
+use headway_model::generate;
 use headway_model::testing::{fixture_path, real_target_dir};
 use headway_model::{Message, Target};
-use headway_serve::generate::generate;
-use headway_serve::sampling::{Sampler, SamplingParams};
+use headway_model::{Sampler, SamplingParams};
 use serde::Deserialize;
 use tch::{Device, Kind};
 

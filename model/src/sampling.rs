@@ -8,7 +8,7 @@ use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 use tch::{Kind, Tensor};
 
-use crate::error::{Result, ServeError};
+use crate::error::{ModelError, Result};
 
 /// How to pick each token. `temperature == 0` means greedy (argmax); top-k 0 and top-p 1 are off.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -68,13 +68,13 @@ impl SamplingParams {
     /// Rejects values that have no meaning (negative temperature, top-p outside (0, 1]).
     pub fn validate(&self) -> Result<()> {
         if !(self.temperature >= 0.0 && self.temperature.is_finite()) {
-            return Err(ServeError::Invalid {
+            return Err(ModelError::Invalid {
                 field: "temperature",
                 message: format!("{} must be a finite number >= 0", self.temperature),
             });
         }
         if !(self.top_p > 0.0 && self.top_p <= 1.0) {
-            return Err(ServeError::Invalid {
+            return Err(ModelError::Invalid {
                 field: "top_p",
                 message: format!("{} must be in (0, 1]", self.top_p),
             });

@@ -2,11 +2,11 @@
 
 use std::time::Instant;
 
-use headway_model::mask::positions;
-use headway_model::{ForwardInput, KvCache, Target};
+use crate::mask::positions;
+use crate::{ForwardInput, KvCache, Target};
 use tch::Tensor;
 
-use crate::error::{Result, ServeError};
+use crate::error::{ModelError, Result};
 use crate::sampling::Sampler;
 
 /// Why generation ended.
@@ -43,14 +43,14 @@ pub fn generate(
     on_text: &mut dyn FnMut(&str),
 ) -> Result<Generation> {
     if prompt_ids.is_empty() {
-        return Err(ServeError::Invalid {
+        return Err(ModelError::Invalid {
             field: "prompt",
             message: "the prompt has no tokens".into(),
         });
     }
     let max_context = target.model.config().max_position_embeddings;
     if prompt_ids.len() + max_new_tokens > max_context {
-        return Err(ServeError::Invalid {
+        return Err(ModelError::Invalid {
             field: "max_new_tokens",
             message: format!(
                 "prompt ({} tokens) + {max_new_tokens} new tokens exceed the model's context of {max_context}",
