@@ -156,7 +156,7 @@ impl fmt::Display for CorpusFormat {
 }
 
 /// Where a file that should have ended with a closing bracket stopped instead.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Serialize, serde::Deserialize)]
 pub struct Truncation {
     /// Records begun but cut off by the end of the file (0 or 1).
     pub partial_records: usize,
@@ -165,7 +165,7 @@ pub struct Truncation {
 }
 
 /// What a reader read, kept and dropped.
-#[derive(Debug, Clone, Default, PartialEq, Eq)]
+#[derive(Debug, Clone, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct ReadReport {
     /// Whole records (array elements, non-blank lines, documents) parsed.
     pub records_read: usize,

@@ -38,8 +38,29 @@ pub enum DatasetError {
     Conversation { id: String, message: String },
     #[error("invalid argument: {0}")]
     Argument(String),
+    /// A feature directory whose manifest is missing, malformed or from another run.
+    #[error("features {dir}: {message}")]
+    Features { dir: PathBuf, message: String },
+    /// A feature shard that is missing, corrupt or does not match its manifest entry.
+    #[error("shard {path}: {message}")]
+    Shard { path: PathBuf, message: String },
+    /// Features (or a regeneration journal) made with another target than the one given.
+    #[error(
+        "features in {dir} were extracted from target {expected_fingerprint} ({expected_dir}), \
+         but the target given is {found_fingerprint} ({found_dir}); prepare features with this \
+         target or pass the one they came from"
+    )]
+    TargetMismatch {
+        dir: PathBuf,
+        expected_fingerprint: String,
+        expected_dir: String,
+        found_fingerprint: String,
+        found_dir: String,
+    },
     #[error(transparent)]
     Model(#[from] headway_model::ModelError),
+    #[error("torch: {0}")]
+    Torch(#[from] tch::TchError),
 }
 
 pub type Result<T, E = DatasetError> = std::result::Result<T, E>;
@@ -50,6 +71,20 @@ impl DatasetError {
         Self::Io {
             path: path.into(),
             source,
+        }
+    }
+
+    pub(crate) fn features(dir: impl Into<PathBuf>, message: impl Into<String>) -> Self {
+        Self::Features {
+            dir: dir.into(),
+            message: message.into(),
+        }
+    }
+
+    pub(crate) fn shard(path: impl Into<PathBuf>, message: impl Into<String>) -> Self {
+        Self::Shard {
+            path: path.into(),
+            message: message.into(),
         }
     }
 

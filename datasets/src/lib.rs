@@ -17,12 +17,16 @@
 //!   template, tokenizes it once, and derives the loss mask from byte offsets, so the ids are
 //!   exactly the target's and the mask cannot drift from them.
 //!
-//! Feature extraction arrives with the rest of issue 3.
+//! - **Features are checked, never trusted.** Shards carry checksums in the manifest and the
+//!   manifest carries the target's fingerprint ([`features`]); readers verify both and name the
+//!   bad shard or the mismatched model.
 
 pub mod chat_format;
 pub mod conversation;
 pub mod corpus;
 pub mod error;
+pub mod features;
+pub mod regenerate;
 pub mod sharegpt;
 pub mod split;
 

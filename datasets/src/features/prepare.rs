@@ -1,0 +1,526 @@
+//! `prepare`: corpus → (optional self-distillation) → chat tokens → target features in shards.
+//!
+//! The run is a pure function of its [`Settings`]: conversations are taken in corpus order
+//! (deduplicated, the first `max_seqs`), split by hash, formatted, and packed in that order into
+//! shards of about `shard_tokens` tokens, train shards first. Each shard is written to a temporary
+//! file and renamed, then the manifest is rewritten listing it with its checksum. Rerunning the
+//! same command after a kill keeps every listed shard whose checksum still holds and redoes the
+//! rest, so the finished directory is byte-identical to an uninterrupted run's.
+
+use std::path::{Path, PathBuf};
+use std::time::Instant;
+
+use headway_model::files::{remove_stale_temp_files, write_atomically};
+use headway_model::fingerprint::{bytes_sha256, file_sha256, target_fingerprint};
+use headway_model::linear::{set_cpu_workload, CpuWorkload};
+use headway_model::{ModelError, Target};
+use tch::Tensor;
+
+use crate::chat_format::{end_of_turn_token, ChatFormatter, ChatSequence};
+use crate::conversation::{dedupe, Conversation};
+use crate::corpus::{read_corpus, CorpusFormat};
+use crate::error::{DatasetError, Result};
+use crate::features::extract::{length_buckets, ExtractedFeatures, FeatureExtractor};
+use crate::features::feature_set::shard_file_matches;
+use crate::features::manifest::{
+    CorpusInfo, Counts, FeatureDtype, Manifest, RegenerateSettings, Settings, ShardEntry,
+    ShardSplit, TargetInfo, FEATURES_FORMAT,
+};
+use crate::features::shard::ShardData;
+use crate::regenerate::regenerate;
+use crate::split::{split_of, Split};
+
+/// File of the self-distillation journal inside the output directory.
+pub const REGENERATED_FILE: &str = "regenerated.jsonl";
+
+/// What `prepare` should do.
+#[derive(Debug, Clone)]
+pub struct PrepareOptions {
+    pub data: PathBuf,
+    pub format: CorpusFormat,
+    pub out: PathBuf,
+    pub max_seqs: Option<usize>,
+    pub max_len: usize,
+    pub held_out_fraction: f64,
+    pub regenerate: Option<RegenerateSettings>,
+    pub taps: Vec<usize>,
+    pub dtype: FeatureDtype,
+    pub shard_tokens: usize,
+    pub batch_tokens: usize,
+    /// Recorded in the manifest.
+    pub command: Vec<String>,
+}
+
+/// The extraction work once sequences are planned.
+#[derive(Debug, Clone)]
+pub struct ExtractionPlan {
+    pub sequences: usize,
+    pub tokens: usize,
+    pub shards: usize,
+    /// Already finished by an earlier run (kept).
+    pub done_shards: usize,
+    pub done_sequences: usize,
+    pub done_tokens: usize,
+    /// Bytes all shards will take.
+    pub estimated_bytes: u64,
+}
+
+/// Hooks for progress display; every method has a no-op default.
+pub trait PrepareObserver {
+    /// A line worth showing the user (what was read, skipped, resumed).
+    fn message(&mut self, _text: &str) {}
+    fn regeneration_started(&mut self, _conversations: usize) {}
+    fn conversation_regenerated(&mut self, _new_tokens: usize) {}
+    fn extraction_started(&mut self, _plan: &ExtractionPlan) {}
+    fn batch_extracted(&mut self, _sequences: usize, _tokens: usize) {}
+    fn shard_written(&mut self, _entry: &ShardEntry) {}
+}
+
+/// An observer that shows nothing.
+pub struct Quiet;
+impl PrepareObserver for Quiet {}
+
+/// What a run did.
+#[derive(Debug, Clone)]
+pub struct PrepareSummary {
+    pub manifest: Manifest,
+    pub shards_written: usize,
+    pub shards_kept: usize,
+    /// Tokens run through the target in this run, and the seconds that took.
+    pub tokens_extracted: usize,
+    pub extraction_seconds: f64,
+    pub seconds: f64,
+}
+
+struct PlannedSequence {
+    id: String,
+    split: ShardSplit,
+    sequence: ChatSequence,
+}
+
+struct PlannedShard {
+    file: String,
+    split: ShardSplit,
+    /// Indices into the planned sequences, in corpus order.
+    members: Vec<usize>,
+}
+
+/// Runs (or resumes) `prepare` into `options.out` with `target`.
+pub fn prepare(
+    target: &Target,
+    options: &PrepareOptions,
+    observer: &mut dyn PrepareObserver,
+) -> Result<PrepareSummary> {
+    let start = Instant::now();
+    check_options(target, options)?;
+    let out = &options.out;
+    std::fs::create_dir_all(out).map_err(|e| DatasetError::io(out, e))?;
+    let stale = remove_stale_temp_files(out)?;
+    if stale > 0 {
+        observer.message(&format!(
+            "removed {stale} temporary file(s) of an interrupted run"
+        ));
+    }
+    let settings = settings(target, options)?;
+    let previous = Manifest::read(out)?;
+    if let Some(previous) = &previous {
+        check_same_settings(out, &previous.settings, &settings)?;
+    }
+    let (conversations, mut counts) = read_conversations(options, observer)?;
+    let conversations = match &settings.regenerate {
+        Some(regen) => {
+            // The manifest goes first, so the journal is tied to these settings.
+            if previous.is_none() {
+                empty_manifest(&settings, &counts, options).write(out)?;
+            }
+            observer.regeneration_started(conversations.len());
+            set_cpu_workload(CpuWorkload::Decode);
+            regenerate(
+                target,
+                &conversations,
+                options.max_len,
+                regen,
+                &out.join(REGENERATED_FILE),
+                &mut |_, tokens| observer.conversation_regenerated(tokens),
+            )?
+        }
+        None => conversations,
+    };
+    let sequences = format_all(target, &conversations, options, &mut counts, observer)?;
+    let plan = plan_shards(&sequences, options.shard_tokens);
+    let mut manifest = Manifest {
+        planned_shards: plan.len(),
+        ..empty_manifest(&settings, &counts, options)
+    };
+    manifest.shards = reusable_shards(out, previous.as_ref(), &plan)?;
+    let shards_kept = manifest.shards.len();
+    if shards_kept > 0 {
+        observer.message(&format!(
+            "resuming: {shards_kept} of {} shards already done and verified",
+            plan.len()
+        ));
+    }
+    manifest.write(out)?;
+    observer.extraction_started(&extraction_plan(&sequences, &plan, shards_kept, &settings));
+    set_cpu_workload(CpuWorkload::Batch);
+    let extract_start = Instant::now();
+    let mut tokens_extracted = 0;
+    for shard in &plan[shards_kept..] {
+        let entry = write_shard(target, &settings, out, shard, &sequences, observer)?;
+        tokens_extracted += entry.tokens;
+        manifest.shards.push(entry);
+        manifest.write(out)?;
+        observer.shard_written(manifest.shards.last().expect("just pushed"));
+    }
+    let extraction_seconds = extract_start.elapsed().as_secs_f64();
+    manifest.complete = true;
+    manifest.write(out)?;
+    Ok(PrepareSummary {
+        shards_written: plan.len() - shards_kept,
+        shards_kept,
+        tokens_extracted,
+        extraction_seconds,
+        seconds: start.elapsed().as_secs_f64(),
+        manifest,
+    })
+}
+
+fn check_options(target: &Target, options: &PrepareOptions) -> Result<()> {
+    let layers = target.model.config().num_hidden_layers;
+    let invalid = |m: String| Err(DatasetError::Argument(m));
+    if options.max_len == 0 || options.shard_tokens == 0 || options.batch_tokens == 0 {
+        return invalid("--max-len, --shard-tokens and --batch-tokens must be at least 1".into());
+    }
+    if let Some(&tap) = options.taps.iter().find(|&&t| t >= layers) {
+        return invalid(format!(
+            "--layers {tap}: the target has {layers} layers, so taps run from 0 to {}",
+            layers - 1
+        ));
+    }
+    if !(0.0..=1.0).contains(&options.held_out_fraction) {
+        return invalid(format!(
+            "held-out fraction {} is not in [0, 1]",
+            options.held_out_fraction
+        ));
+    }
+    Ok(())
+}
+
+fn settings(target: &Target, options: &PrepareOptions) -> Result<Settings> {
+    let config = target.model.config();
+    let template = target.chat_template.as_ref().ok_or_else(|| {
+        DatasetError::Argument(format!(
+            "target {} has no chat template; prepare renders conversations with it",
+            target.dir.display()
+        ))
+    })?;
+    let end_of_turn = end_of_turn_token(&target.tokenizer).ok_or_else(|| {
+        DatasetError::Argument("the target's tokenizer has no <|im_end|> or <|eot_id|>".into())
+    })?;
+    let corpus_bytes = std::fs::metadata(&options.data)
+        .map_err(|e| DatasetError::io(&options.data, e))?
+        .len();
+    Ok(Settings {
+        target: TargetInfo {
+            dir: target.dir.display().to_string(),
+            fingerprint: target_fingerprint(&target.dir)?,
+            architecture: format!("{:?}", config.architecture),
+            hidden_size: config.hidden_size,
+            num_hidden_layers: config.num_hidden_layers,
+            vocab_size: config.vocab_size,
+            tokenizer_sha256: file_sha256(&target.dir.join("tokenizer.json"))?,
+            chat_template_sha256: bytes_sha256(template.identity().as_bytes()),
+            end_of_turn: end_of_turn.to_string(),
+        },
+        corpus: CorpusInfo {
+            path: options.data.display().to_string(),
+            format: options.format.name().to_string(),
+            bytes: corpus_bytes,
+            sha256: file_sha256(&options.data)?,
+        },
+        max_seqs: options.max_seqs,
+        max_len: options.max_len,
+        held_out_fraction: options.held_out_fraction,
+        regenerate: options.regenerate,
+        taps: options.taps.clone(),
+        dtype: options.dtype,
+        shard_tokens: options.shard_tokens,
+        batch_tokens: options.batch_tokens,
+        device_type: if target.device.is_cuda() {
+            "cuda"
+        } else {
+            "cpu"
+        }
+        .to_string(),
+    })
+}
+
+fn check_same_settings(out: &Path, previous: &Settings, settings: &Settings) -> Result<()> {
+    let differences = previous.differences(settings);
+    if differences.is_empty() {
+        return Ok(());
+    }
+    Err(DatasetError::features(
+        out,
+        format!(
+            "the directory holds features made with other settings ({}); use another --out or \
+             delete it",
+            differences.join("; ")
+        ),
+    ))
+}
+
+fn empty_manifest(settings: &Settings, counts: &Counts, options: &PrepareOptions) -> Manifest {
+    Manifest {
+        format: FEATURES_FORMAT.to_string(),
+        complete: false,
+        settings: settings.clone(),
+        counts: counts.clone(),
+        planned_shards: 0,
+        shards: Vec::new(),
+        command: options.command.clone(),
+    }
+}
+
+/// Reads, dedupes and selects the conversations.
+fn read_conversations(
+    options: &PrepareOptions,
+    observer: &mut dyn PrepareObserver,
+) -> Result<(Vec<Conversation>, Counts)> {
+    let corpus = read_corpus(&options.data, options.format)?;
+    observer.message(&format!("{}: {}", options.data.display(), corpus.report));
+    let (mut unique, duplicates_dropped) = dedupe(corpus.conversations);
+    unique.truncate(options.max_seqs.unwrap_or(usize::MAX));
+    let counts = Counts {
+        corpus: corpus.report,
+        duplicates_dropped,
+        conversations_used: unique.len(),
+        ..Counts::default()
+    };
+    Ok((unique, counts))
+}
+
+/// Formats every conversation; skips (and counts) those that fail or keep no assistant token.
+fn format_all(
+    target: &Target,
+    conversations: &[Conversation],
+    options: &PrepareOptions,
+    counts: &mut Counts,
+    observer: &mut dyn PrepareObserver,
+) -> Result<Vec<PlannedSequence>> {
+    let template = target
+        .chat_template
+        .as_ref()
+        .expect("checked in settings()");
+    let end_of_turn = end_of_turn_token(&target.tokenizer).expect("checked in settings()");
+    let formatter = ChatFormatter::new(template, &target.tokenizer, end_of_turn)?;
+    let mut sequences = Vec::new();
+    for conversation in conversations {
+        let sequence = match formatter.format(conversation, options.max_len) {
+            Ok(sequence) => sequence,
+            Err(e) => {
+                if counts.format_errors < 3 {
+                    observer.message(&format!("skipped: {e}"));
+                }
+                counts.format_errors += 1;
+                continue;
+            }
+        };
+        let assistant_tokens = sequence.loss_mask.iter().filter(|&&m| m == 1).count();
+        if assistant_tokens == 0 {
+            counts.no_assistant_tokens += 1;
+            continue;
+        }
+        let split = match split_of(conversation, options.held_out_fraction)? {
+            Split::Train => ShardSplit::Train,
+            Split::HeldOut => ShardSplit::HeldOut,
+        };
+        counts.sequences += 1;
+        match split {
+            ShardSplit::Train => counts.train_sequences += 1,
+            ShardSplit::HeldOut => counts.held_out_sequences += 1,
+        }
+        counts.tokens += sequence.input_ids.len();
+        counts.assistant_tokens += assistant_tokens;
+        counts.truncated += usize::from(sequence.truncated());
+        sequences.push(PlannedSequence {
+            id: conversation.id.clone(),
+            split,
+            sequence,
+        });
+    }
+    Ok(sequences)
+}
+
+/// Train shards then held-out shards, each closed once it holds `shard_tokens` tokens.
+fn plan_shards(sequences: &[PlannedSequence], shard_tokens: usize) -> Vec<PlannedShard> {
+    let mut plan = Vec::new();
+    for split in [ShardSplit::Train, ShardSplit::HeldOut] {
+        let mut members = Vec::new();
+        let mut tokens = 0;
+        let mut index = 0;
+        let mut close = |members: &mut Vec<usize>, plan: &mut Vec<PlannedShard>| {
+            plan.push(PlannedShard {
+                file: format!("{}-{index:05}.safetensors", split.name()),
+                split,
+                members: std::mem::take(members),
+            });
+            index += 1;
+        };
+        for (i, planned) in sequences
+            .iter()
+            .enumerate()
+            .filter(|(_, s)| s.split == split)
+        {
+            members.push(i);
+            tokens += planned.sequence.input_ids.len();
+            if tokens >= shard_tokens {
+                close(&mut members, &mut plan);
+                tokens = 0;
+            }
+        }
+        if !members.is_empty() {
+            close(&mut members, &mut plan);
+        }
+    }
+    plan
+}
+
+/// The leading shards of `previous` that match the plan and whose files still verify.
+fn reusable_shards(
+    out: &Path,
+    previous: Option<&Manifest>,
+    plan: &[PlannedShard],
+) -> Result<Vec<ShardEntry>> {
+    let mut kept = Vec::new();
+    let Some(previous) = previous else {
+        return Ok(kept);
+    };
+    for (entry, planned) in previous.shards.iter().zip(plan) {
+        let intact = entry.file == planned.file
+            && entry.sequences == planned.members.len()
+            && shard_file_matches(out, entry)?;
+        if !intact {
+            break;
+        }
+        kept.push(entry.clone());
+    }
+    Ok(kept)
+}
+
+fn extraction_plan(
+    sequences: &[PlannedSequence],
+    plan: &[PlannedShard],
+    done_shards: usize,
+    settings: &Settings,
+) -> ExtractionPlan {
+    let tokens_of = |shards: &[PlannedShard]| -> usize {
+        shards
+            .iter()
+            .flat_map(|s| &s.members)
+            .map(|&i| sequences[i].sequence.input_ids.len())
+            .sum()
+    };
+    let tokens = tokens_of(plan);
+    // Per token: ids (4) + mask (1) + hidden and taps; per sequence: one offset (8).
+    let per_token =
+        5 + settings.target.hidden_size * (1 + settings.taps.len()) * settings.dtype.bytes();
+    ExtractionPlan {
+        sequences: sequences.len(),
+        tokens,
+        shards: plan.len(),
+        done_shards,
+        done_sequences: plan[..done_shards].iter().map(|s| s.members.len()).sum(),
+        done_tokens: tokens_of(&plan[..done_shards]),
+        estimated_bytes: (tokens * per_token + sequences.len() * 8) as u64,
+    }
+}
+
+/// Extracts, writes (atomically) and describes one shard.
+fn write_shard(
+    target: &Target,
+    settings: &Settings,
+    out: &Path,
+    shard: &PlannedShard,
+    sequences: &[PlannedSequence],
+    observer: &mut dyn PrepareObserver,
+) -> Result<ShardEntry> {
+    let members: Vec<&ChatSequence> = shard
+        .members
+        .iter()
+        .map(|&i| &sequences[i].sequence)
+        .collect();
+    let ids: Vec<&[u32]> = members.iter().map(|s| s.input_ids.as_slice()).collect();
+    let extractor = FeatureExtractor {
+        model: &target.model.model,
+        device: target.device,
+        taps: &settings.taps,
+        batch_tokens: settings.batch_tokens,
+        output_kind: settings.dtype.kind(),
+    };
+    let lengths: Vec<usize> = ids.iter().map(|s| s.len()).collect();
+    let mut features: Vec<Option<ExtractedFeatures>> = (0..ids.len()).map(|_| None).collect();
+    for batch in length_buckets(&lengths, settings.batch_tokens) {
+        let extracted = extractor.run_batch(&ids, &batch)?;
+        observer.batch_extracted(batch.len(), batch.iter().map(|&i| lengths[i]).sum());
+        for (i, f) in batch.into_iter().zip(extracted) {
+            features[i] = Some(f);
+        }
+    }
+    let features: Vec<ExtractedFeatures> = features
+        .into_iter()
+        .map(|f| f.expect("every member is in a batch"))
+        .collect();
+    let data = assemble(shard, sequences, &members, &features, settings.taps.len());
+    let path = out.join(&shard.file);
+    let bytes = data.to_bytes(&settings.taps, &path)?;
+    let written = write_atomically(&path, |file, temp| {
+        use std::io::Write;
+        file.write_all(&bytes).map_err(|e| ModelError::io(temp, e))
+    })?;
+    Ok(ShardEntry {
+        file: shard.file.clone(),
+        split: shard.split,
+        sequences: members.len(),
+        tokens: lengths.iter().sum(),
+        assistant_tokens: members
+            .iter()
+            .map(|s| s.loss_mask.iter().filter(|&&m| m == 1).count())
+            .sum(),
+        bytes: written,
+        sha256: bytes_sha256(&bytes),
+    })
+}
+
+/// Concatenates a shard's sequences and their features in plan order.
+fn assemble(
+    shard: &PlannedShard,
+    sequences: &[PlannedSequence],
+    members: &[&ChatSequence],
+    features: &[ExtractedFeatures],
+    taps: usize,
+) -> ShardData {
+    let mut offsets = vec![0i64];
+    let mut ids: Vec<i32> = Vec::new();
+    let mut mask: Vec<u8> = Vec::new();
+    for sequence in members {
+        ids.extend(sequence.input_ids.iter().map(|&t| t as i32));
+        mask.extend(&sequence.loss_mask);
+        offsets.push(ids.len() as i64);
+    }
+    let cat = |pick: &dyn Fn(&ExtractedFeatures) -> &Tensor| {
+        Tensor::cat(&features.iter().map(pick).collect::<Vec<_>>(), 0)
+    };
+    ShardData {
+        sequence_ids: shard
+            .members
+            .iter()
+            .map(|&i| sequences[i].id.clone())
+            .collect(),
+        offsets,
+        input_ids: Tensor::from_slice(&ids),
+        loss_mask: Tensor::from_slice(&mask),
+        hidden: cat(&|f| &f.hidden),
+        taps: (0..taps).map(|k| cat(&|f| &f.taps[k])).collect(),
+    }
+}

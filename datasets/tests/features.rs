@@ -1,0 +1,429 @@
+//! `prepare` on a tiny random target: stored features equal a fresh forward, resumes keep what is
+//! intact, and every kind of damage is named.
+
+use std::path::{Path, PathBuf};
+
+use headway_datasets::features::{
+    prepare, FeatureDtype, FeatureSet, PrepareOptions, Quiet, RegenerateSettings, ShardSplit,
+};
+use headway_datasets::{CorpusFormat, DatasetError};
+use headway_model::mask::positions;
+use headway_model::testing::write_tiny_model;
+use headway_model::{generate, ForwardInput, Message, Sampler, SamplingParams, Target};
+use tch::{Device, Kind, Tensor};
+
+/// Twelve chats of varied length (two with a system prompt, one multi-turn).
+fn write_corpus(dir: &Path) -> PathBuf {
+    let mut lines = Vec::new();
+    for i in 0..12 {
+        let mut messages = Vec::new();
+        if i % 5 == 0 {
+            messages.push(serde_json::json!({"role": "system", "content": "Be brief."}));
+        }
+        messages.push(serde_json::json!({"role": "user", "content": format!("Question {i}: {}", "why? ".repeat(i % 4 + 1))}));
+        messages.push(serde_json::json!({"role": "assistant", "content": format!("Answer {i}. {}", "because it is so. ".repeat(i % 3 + 1))}));
+        if i == 7 {
+            messages.push(serde_json::json!({"role": "user", "content": "And then?"}));
+            messages.push(serde_json::json!({"role": "assistant", "content": "Then nothing."}));
+        }
+        lines
+            .push(serde_json::json!({"id": format!("chat-{i}"), "messages": messages}).to_string());
+    }
+    let path = dir.join("chats.jsonl");
+    std::fs::write(&path, lines.join("\n") + "\n").unwrap();
+    path
+}
+
+fn options(data: &Path, out: &Path) -> PrepareOptions {
+    PrepareOptions {
+        data: data.to_path_buf(),
+        format: CorpusFormat::JsonlChat,
+        out: out.to_path_buf(),
+        max_seqs: None,
+        max_len: 96,
+        held_out_fraction: 0.25,
+        regenerate: None,
+        taps: vec![0, 1],
+        dtype: FeatureDtype::F32,
+        shard_tokens: 250,
+        batch_tokens: 200,
+        command: vec!["test".into()],
+    }
+}
+
+struct Fixture {
+    _dir: tempfile::TempDir,
+    root: PathBuf,
+    target: Target,
+    data: PathBuf,
+}
+
+fn fixture() -> Fixture {
+    let dir = tempfile::tempdir().unwrap();
+    let root = dir.path().to_path_buf();
+    write_tiny_model(&root.join("target"), 7).unwrap();
+    let target = Target::load(&root.join("target"), Kind::Float, Device::Cpu).unwrap();
+    let data = write_corpus(&root);
+    Fixture {
+        _dir: dir,
+        root,
+        target,
+        data,
+    }
+}
+
+/// Final hidden state and taps 0 and 1 of `ids` run alone (no batching, no padding).
+fn forward_alone(target: &Target, ids: &Tensor) -> (Tensor, Vec<Tensor>) {
+    let _guard = tch::no_grad_guard();
+    let ids = ids.to_kind(Kind::Int64).unsqueeze(0);
+    let len = ids.size()[1] as usize;
+    let out = target
+        .model
+        .model
+        .forward(
+            &ForwardInput {
+                input_ids: &ids,
+                positions: &positions(0, len, Device::Cpu),
+                mask: None,
+                taps: &[0, 1],
+            },
+            None,
+        )
+        .unwrap();
+    (
+        out.hidden.squeeze_dim(0),
+        out.taps.iter().map(|t| t.squeeze_dim(0)).collect(),
+    )
+}
+
+/// Every shard file of `dir` by name, with its bytes.
+fn shard_files(dir: &Path) -> std::collections::BTreeMap<String, Vec<u8>> {
+    std::fs::read_dir(dir)
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .filter(|p| p.extension().is_some_and(|x| x == "safetensors"))
+        .map(|p| {
+            (
+                p.file_name().unwrap().to_string_lossy().into_owned(),
+                std::fs::read(&p).unwrap(),
+            )
+        })
+        .collect()
+}
+
+fn max_diff(a: &Tensor, b: &Tensor) -> f64 {
+    (a.to_kind(Kind::Float) - b.to_kind(Kind::Float))
+        .abs()
+        .max()
+        .double_value(&[])
+}
+
+#[test]
+fn stored_features_equal_a_fresh_forward_of_each_sequence() {
+    let f = fixture();
+    let out = f.root.join("features");
+    let summary = prepare(&f.target, &options(&f.data, &out), &mut Quiet).unwrap();
+    let manifest = &summary.manifest;
+    assert!(manifest.complete);
+    assert!(
+        manifest.shards.len() >= 3,
+        "{} shards",
+        manifest.shards.len()
+    );
+    assert_eq!(manifest.counts.sequences, 12);
+    let set = FeatureSet::open(&out).unwrap();
+    let (mut sequences, mut tokens) = (0, 0);
+    let mut splits = Vec::new();
+    for (index, entry) in manifest.shards.iter().enumerate() {
+        splits.push(entry.split);
+        let shard = set.load_shard(index).unwrap();
+        for i in 0..shard.len() {
+            let seq = shard.sequence(i);
+            let (hidden, taps) = forward_alone(&f.target, &seq.input_ids);
+            assert!(
+                max_diff(&seq.hidden, &hidden) < 1e-4,
+                "{} hidden",
+                shard.sequence_ids[i]
+            );
+            for (stored, fresh) in seq.taps.iter().zip(&taps) {
+                assert!(
+                    max_diff(stored, fresh) < 1e-4,
+                    "{} tap",
+                    shard.sequence_ids[i]
+                );
+            }
+            // Taps differ from each other and from the output: they are really other layers.
+            assert!(max_diff(&seq.taps[0], &seq.taps[1]) > 1e-3);
+            let masked = i64::try_from(seq.loss_mask.sum(Kind::Int64)).unwrap();
+            assert!(masked > 0);
+            sequences += 1;
+            tokens += seq.input_ids.size()[0] as usize;
+        }
+    }
+    assert_eq!(
+        (sequences, tokens),
+        (manifest.counts.sequences, manifest.counts.tokens)
+    );
+    // Train shards come first, then held-out ones; both are present at a 25% held-out fraction.
+    let first_held_out = splits
+        .iter()
+        .position(|&s| s == ShardSplit::HeldOut)
+        .unwrap();
+    assert!(
+        first_held_out > 0
+            && splits[first_held_out..]
+                .iter()
+                .all(|&s| s == ShardSplit::HeldOut)
+    );
+    // Tap 0 is the embedding: exactly the embedding rows of the ids.
+    let shard = set.load_shard(0).unwrap();
+    let seq = shard.sequence(0);
+    let embedded = f
+        .target
+        .model
+        .model
+        .embed_tokens()
+        .index_select(0, &seq.input_ids.to_kind(Kind::Int64));
+    assert!(max_diff(&seq.taps[0], &embedded) < 1e-6);
+}
+
+#[test]
+fn real_smollm2_features_equal_a_fresh_forward_in_padded_batches() {
+    let dir = tempfile::tempdir().unwrap();
+    let data = dir.path().join("docs.txt");
+    let docs = [
+        "The quick brown fox jumps over the lazy dog.",
+        "Rust is a systems programming language.\nIt is fast and memory safe, and it has a helpful compiler.",
+        "Speculative decoding drafts several tokens and verifies them in one forward pass.",
+    ];
+    std::fs::write(&data, docs.join("\n\n")).unwrap();
+    let target = Target::load(
+        &headway_model::testing::real_target_dir(),
+        Kind::Float,
+        Device::Cpu,
+    )
+    .unwrap();
+    let out = dir.path().join("features");
+    let opts = PrepareOptions {
+        format: CorpusFormat::PlainText,
+        held_out_fraction: 0.0,
+        taps: vec![0, 1],
+        batch_tokens: 128,
+        ..options(&data, &out)
+    };
+    prepare(&target, &opts, &mut Quiet).unwrap();
+    let set = FeatureSet::open(&out).unwrap();
+    let shard = set.load_shard(0).unwrap();
+    assert_eq!(shard.len(), 3);
+    for i in 0..shard.len() {
+        let seq = shard.sequence(i);
+        let (hidden, _) = forward_alone(&target, &seq.input_ids);
+        let scale = hidden.abs().max().double_value(&[]);
+        let diff = max_diff(&seq.hidden, &hidden);
+        assert!(
+            diff <= 1e-5 * scale,
+            "sequence {i}: max |diff| {diff}, scale {scale}"
+        );
+    }
+}
+
+#[test]
+fn a_rerun_keeps_intact_shards_and_redoes_damaged_ones_to_the_same_bytes() {
+    let f = fixture();
+    let out = f.root.join("features");
+    let first = prepare(&f.target, &options(&f.data, &out), &mut Quiet).unwrap();
+    let files: Vec<String> = first
+        .manifest
+        .shards
+        .iter()
+        .map(|s| s.file.clone())
+        .collect();
+    let original: Vec<Vec<u8>> = files
+        .iter()
+        .map(|n| std::fs::read(out.join(n)).unwrap())
+        .collect();
+    let manifest_text = std::fs::read(out.join("manifest.json")).unwrap();
+
+    let again = prepare(&f.target, &options(&f.data, &out), &mut Quiet).unwrap();
+    assert_eq!((again.shards_kept, again.shards_written), (files.len(), 0));
+
+    // Damage shard 1: it and every later shard are redone; the result is byte-identical.
+    let mut bytes = original[1].clone();
+    let last = bytes.len() - 1;
+    bytes[last] ^= 0x40;
+    std::fs::write(out.join(&files[1]), bytes).unwrap();
+    std::fs::write(
+        out.join(".train-00009.safetensors.abc.tmp"),
+        b"half a shard",
+    )
+    .unwrap();
+    let redo = prepare(&f.target, &options(&f.data, &out), &mut Quiet).unwrap();
+    assert_eq!(redo.shards_kept, 1);
+    assert_eq!(redo.shards_written, files.len() - 1);
+    for (name, bytes) in files.iter().zip(&original) {
+        assert!(
+            std::fs::read(out.join(name)).unwrap() == *bytes,
+            "{name} differs"
+        );
+    }
+    assert_eq!(
+        std::fs::read(out.join("manifest.json")).unwrap(),
+        manifest_text
+    );
+    assert!(!out.join(".train-00009.safetensors.abc.tmp").exists());
+}
+
+#[test]
+fn other_settings_in_the_same_directory_are_refused_by_name() {
+    let f = fixture();
+    let out = f.root.join("features");
+    prepare(&f.target, &options(&f.data, &out), &mut Quiet).unwrap();
+    let mut other = options(&f.data, &out);
+    other.max_len = 64;
+    other.dtype = FeatureDtype::Bf16;
+    let err = prepare(&f.target, &other, &mut Quiet)
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.contains("max_len: 96 in the directory, 64 now"),
+        "{err}"
+    );
+    assert!(
+        err.contains("dtype: \"f32\" in the directory, \"bf16\" now"),
+        "{err}"
+    );
+}
+
+#[test]
+fn a_corrupt_shard_and_another_target_are_named() {
+    let f = fixture();
+    let out = f.root.join("features");
+    let summary = prepare(&f.target, &options(&f.data, &out), &mut Quiet).unwrap();
+    let set = FeatureSet::open(&out).unwrap();
+    assert!(set.verify().is_empty());
+
+    let name = &summary.manifest.shards[2].file;
+    let path = out.join(name);
+    let mut bytes = std::fs::read(&path).unwrap();
+    bytes[200] ^= 1;
+    std::fs::write(&path, &bytes).unwrap();
+    let err = set.load_shard(2).unwrap_err().to_string();
+    assert!(
+        err.contains(name.as_str()) && err.contains("checksum mismatch"),
+        "{err}"
+    );
+    let problems = set.verify();
+    assert_eq!(problems.len(), 1);
+    assert_eq!(&problems[0].file, name);
+    std::fs::write(&path, &bytes[..bytes.len() / 2]).unwrap();
+    let err = set.load_shard(2).unwrap_err().to_string();
+    assert!(
+        err.contains(name.as_str()) && err.contains("truncated"),
+        "{err}"
+    );
+
+    let other = f.root.join("other-target");
+    write_tiny_model(&other, 8).unwrap();
+    let fingerprint = headway_model::fingerprint::target_fingerprint(&other).unwrap();
+    let err = set.check_target(&fingerprint, &other).unwrap_err();
+    assert!(matches!(err, DatasetError::TargetMismatch { .. }));
+    let text = err.to_string();
+    assert!(
+        text.contains(&fingerprint) && text.contains("other-target"),
+        "{text}"
+    );
+    assert!(
+        text.contains(&summary.manifest.settings.target.fingerprint),
+        "{text}"
+    );
+}
+
+#[test]
+fn an_unfinished_directory_is_not_opened_as_features() {
+    let f = fixture();
+    let out = f.root.join("features");
+    prepare(&f.target, &options(&f.data, &out), &mut Quiet).unwrap();
+    let manifest = out.join("manifest.json");
+    let text = std::fs::read_to_string(&manifest).unwrap();
+    std::fs::write(
+        &manifest,
+        text.replace("\"complete\": true", "\"complete\": false"),
+    )
+    .unwrap();
+    let err = FeatureSet::open(&out).err().unwrap().to_string();
+    assert!(
+        err.contains("did not finish") && err.contains("resume"),
+        "{err}"
+    );
+    let err = FeatureSet::open(&f.root).err().unwrap().to_string();
+    assert!(err.contains("no manifest.json"), "{err}");
+}
+
+#[test]
+fn regeneration_uses_the_targets_own_replies_and_resumes_after_a_torn_line() {
+    let f = fixture();
+    let out = f.root.join("features");
+    let mut opts = options(&f.data, &out);
+    opts.max_seqs = Some(3);
+    opts.regenerate = Some(RegenerateSettings {
+        temperature: 0.0,
+        top_p: 1.0,
+        top_k: 0,
+        max_new_tokens: 12,
+        seed: 0,
+    });
+    prepare(&f.target, &opts, &mut Quiet).unwrap();
+    let journal_path = out.join("regenerated.jsonl");
+    let journal = std::fs::read_to_string(&journal_path).unwrap();
+    let lines: Vec<serde_json::Value> = journal
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    assert_eq!(lines.len(), 3);
+    // The first chat's reply is what greedy generation gives for its prompt.
+    let first = &lines[0]["messages"];
+    let prompt: Vec<Message> = first
+        .as_array()
+        .unwrap()
+        .iter()
+        .take_while(|m| m["role"] != "assistant")
+        .map(|m| Message::new(m["role"].as_str().unwrap(), m["content"].as_str().unwrap()))
+        .collect();
+    let ids = f
+        .target
+        .tokenizer
+        .encode(&f.target.chat_prompt(&prompt).unwrap(), false)
+        .unwrap();
+    let mut sampler = Sampler::new(SamplingParams::default());
+    let reply = generate(&f.target, &ids, 12, &mut sampler, &mut |_| {}).unwrap();
+    let stored = first
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|m| m["role"] == "assistant")
+        .unwrap();
+    assert_eq!(stored["content"].as_str().unwrap(), reply.text);
+    assert!(
+        !reply.text.starts_with("Answer"),
+        "the corpus reply was kept"
+    );
+
+    // Tear the journal after one and a half lines and rerun: the same journal and shards.
+    let shards = shard_files(&out);
+    let cut =
+        journal.find('\n').unwrap() + 1 + journal[journal.find('\n').unwrap() + 1..].len() / 2;
+    std::fs::write(&journal_path, &journal[..cut]).unwrap();
+    std::fs::remove_file(out.join("manifest.json")).unwrap();
+    for entry in std::fs::read_dir(&out).unwrap() {
+        let path = entry.unwrap().path();
+        if path.extension().is_some_and(|x| x == "safetensors") {
+            std::fs::remove_file(path).unwrap();
+        }
+    }
+    prepare(&f.target, &opts, &mut Quiet).unwrap();
+    assert_eq!(std::fs::read_to_string(&journal_path).unwrap(), journal);
+    assert!(
+        shard_files(&out) == shards,
+        "regenerated shards differ after the resume"
+    );
+}
