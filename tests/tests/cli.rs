@@ -31,6 +31,24 @@ fn every_subcommand_explains_its_flags() {
             "convert",
             &["--gguf", "--out", "--dtype"][..],
         ),
+        (
+            "headway-train",
+            "prepare",
+            &[
+                "--data",
+                "--out",
+                "--target",
+                "--max-seqs",
+                "--max-len",
+                "--regenerate",
+                "--layers",
+                "--dtype",
+                "--device",
+                "--batch-tokens",
+                "--json",
+            ][..],
+        ),
+        ("headway-train", "verify", &["--features", "--target"][..]),
     ] {
         let out = run(bin, &[sub, "--help"]);
         assert!(out.status.success(), "{bin} {sub} --help failed");

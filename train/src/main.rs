@@ -1,5 +1,7 @@
-//! `headway-train`: make a target usable (convert) and, as the pipeline grows, prepare features
-//! and train draft heads.
+//! `headway-train`: make a target usable (convert), prepare and verify its features, and (as the
+//! pipeline grows) train draft heads.
+
+mod prepare;
 
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -26,6 +28,14 @@ enum Command {
     /// an HF-style directory: config.json, model.safetensors, tokenizer.json,
     /// tokenizer_config.json (with the GGUF's chat template).
     Convert(ConvertArgs),
+    /// Turn a chat corpus into training features: render each conversation with the target's
+    /// chat template, mask the assistant tokens, optionally regenerate the replies with the target
+    /// (self-distillation), and store the target's hidden states in checksummed safetensors shards
+    /// with a manifest. Resumable: rerun the same command after an interruption.
+    Prepare(prepare::PrepareArgs),
+    /// Check a feature directory: its manifest, and every shard's size, checksum and contents.
+    /// Exits non-zero naming each bad shard.
+    Verify(prepare::VerifyArgs),
 }
 
 #[derive(clap::Args)]
@@ -59,6 +69,8 @@ fn main() -> ExitCode {
 fn run(cli: Cli) -> anyhow::Result<()> {
     match cli.command {
         Command::Convert(args) => run_convert(args),
+        Command::Prepare(args) => prepare::run_prepare(args),
+        Command::Verify(args) => prepare::run_verify(args),
     }
 }
 

@@ -1,0 +1,186 @@
+//! `headway-train prepare` and `verify` as a user runs them: a killed run resumes to the same
+//! files, and verification names what is wrong.
+
+use std::collections::BTreeMap;
+use std::path::Path;
+use std::process::{Command, Output};
+
+use headway_model::testing::write_tiny_model;
+use headway_tests::{binary, run, stderr, stdout};
+
+fn write_corpus(path: &Path) {
+    let lines: Vec<String> = (0..16)
+        .map(|i| {
+            serde_json::json!({"id": i, "messages": [
+                {"role": "user", "content": format!("Tell me about number {i}.")},
+                {"role": "assistant", "content": format!("{i} is {}", "a fine number. ".repeat(i % 4 + 1))},
+            ]})
+            .to_string()
+        })
+        .collect();
+    std::fs::write(path, lines.join("\n")).unwrap();
+}
+
+fn prepare(root: &Path, out: &Path, abort_after: Option<usize>) -> Output {
+    let mut command = Command::new(binary("headway-train"));
+    command
+        .args(["prepare", "--data"])
+        .arg(root.join("chats.jsonl"))
+        .arg("--target")
+        .arg(root.join("target"))
+        .arg("--out")
+        .arg(out)
+        .args([
+            "--max-len",
+            "64",
+            "--shard-tokens",
+            "150",
+            "--batch-tokens",
+            "128",
+        ])
+        .args(["--layers", "1", "--dtype", "bf16", "--held-out", "0.2"])
+        .env_remove("LD_LIBRARY_PATH")
+        .env_remove("HEADWAY_TARGET");
+    if let Some(n) = abort_after {
+        command.env("HEADWAY_TEST_ABORT_AFTER_SHARDS", n.to_string());
+    }
+    command.output().unwrap()
+}
+
+fn files(dir: &Path) -> BTreeMap<String, Vec<u8>> {
+    std::fs::read_dir(dir)
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .map(|p| {
+            (
+                p.file_name().unwrap().to_string_lossy().into_owned(),
+                std::fs::read(&p).unwrap(),
+            )
+        })
+        .collect()
+}
+
+#[test]
+fn a_killed_prepare_resumes_to_byte_identical_files() {
+    let dir = tempfile::tempdir().unwrap();
+    let root = dir.path();
+    write_tiny_model(&root.join("target"), 3).unwrap();
+    write_corpus(&root.join("chats.jsonl"));
+    let out = root.join("features");
+
+    let clean = prepare(root, &out, None);
+    assert!(clean.status.success(), "{}", stderr(&clean));
+    let summary = stdout(&clean);
+    assert!(
+        summary.contains("16 sequences") && summary.contains("assistant tokens"),
+        "{summary}"
+    );
+    let expected = files(&out);
+    assert!(
+        expected
+            .keys()
+            .filter(|k| k.ends_with(".safetensors"))
+            .count()
+            >= 4,
+        "{expected:?}"
+    );
+    std::fs::remove_dir_all(&out).unwrap();
+
+    let killed = prepare(root, &out, Some(2));
+    assert!(
+        !killed.status.success(),
+        "the abort hook did not stop the run"
+    );
+    let partial = files(&out);
+    assert_eq!(
+        partial
+            .keys()
+            .filter(|k| k.ends_with(".safetensors"))
+            .count(),
+        2
+    );
+    let verify = run(
+        "headway-train",
+        &["verify", "--features", out.to_str().unwrap()],
+    );
+    assert!(!verify.status.success());
+    assert!(
+        stderr(&verify).contains("did not finish (2 of"),
+        "{}",
+        stderr(&verify)
+    );
+
+    let resumed = prepare(root, &out, None);
+    assert!(resumed.status.success(), "{}", stderr(&resumed));
+    assert!(
+        stdout(&resumed).contains("2 kept from an earlier run"),
+        "{}",
+        stdout(&resumed)
+    );
+    assert!(
+        files(&out) == expected,
+        "resumed files differ from an uninterrupted run's"
+    );
+
+    let verify = run(
+        "headway-train",
+        &["verify", "--features", out.to_str().unwrap()],
+    );
+    assert!(verify.status.success(), "{}", stderr(&verify));
+    assert!(
+        stdout(&verify).contains("shards verified"),
+        "{}",
+        stdout(&verify)
+    );
+}
+
+#[test]
+fn verify_names_each_bad_shard_and_a_foreign_target() {
+    let dir = tempfile::tempdir().unwrap();
+    let root = dir.path();
+    write_tiny_model(&root.join("target"), 3).unwrap();
+    write_tiny_model(&root.join("other"), 4).unwrap();
+    write_corpus(&root.join("chats.jsonl"));
+    let out = root.join("features");
+    assert!(prepare(root, &out, None).status.success());
+    let features = out.to_str().unwrap();
+
+    for name in ["train-00001.safetensors", "held_out-00000.safetensors"] {
+        let path = out.join(name);
+        let mut bytes = std::fs::read(&path).unwrap();
+        let middle = bytes.len() / 2;
+        bytes[middle] ^= 0xff;
+        std::fs::write(&path, bytes).unwrap();
+    }
+    let verify = run("headway-train", &["verify", "--features", features]);
+    assert!(!verify.status.success());
+    let report = stderr(&verify);
+    assert!(
+        report.contains("BAD train-00001.safetensors") && report.contains("checksum mismatch"),
+        "{report}"
+    );
+    assert!(
+        report.contains("BAD held_out-00000.safetensors"),
+        "{report}"
+    );
+    assert!(report.contains("2 of "), "{report}");
+    assert!(!report.contains("BAD train-00000"), "{report}");
+
+    let other = root.join("other");
+    let verify = run(
+        "headway-train",
+        &[
+            "verify",
+            "--features",
+            features,
+            "--target",
+            other.to_str().unwrap(),
+        ],
+    );
+    assert!(!verify.status.success());
+    assert!(
+        stderr(&verify).contains("were extracted from target sha256:"),
+        "{}",
+        stderr(&verify)
+    );
+}

