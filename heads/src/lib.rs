@@ -1,6 +1,23 @@
-//! Draft heads for speculative decoding: Medusa heads and the EAGLE feature-conditioned head,
-//! and how each drafts a token tree.
+//! Draft heads for speculative decoding: Medusa heads and the EAGLE feature-conditioned head.
 //!
-//! Empty until the heads arrive (issue 4). Heads read the target's final hidden states and reuse
-//! its embedding and LM head from `headway-model`; the EAGLE head's decoder layer will be the
-//! target's own `DecoderLayer`, not a copy.
+//! Heads read the target's final (post-norm) hidden states and reuse its frozen embedding and LM
+//! head. Their trainable tensors live in a [`Params`] map under the names the reference
+//! implementations use (Medusa's `{head}.{layer}.linear.weight`, EAGLE's `fc.weight`,
+//! `layers.0.self_attn.q_proj.weight`, …), so checkpoints export without renaming.
+//!
+//! The EAGLE head's decoder layer is the target runtime's own [`headway_model::DecoderLayer`],
+//! built from the parameter map through [`headway_model::WeightSource`] each time the head is
+//! assembled: the runtime fuses q/k/v and gate/up by concatenation, and a concatenation of leaf
+//! tensors passes gradients back to each of them.
+
+pub mod draft_vocab;
+pub mod eagle;
+pub mod error;
+pub mod medusa;
+pub mod params;
+
+pub use draft_vocab::DraftVocab;
+pub use eagle::{EagleConfig, EagleHead};
+pub use error::{HeadError, Result};
+pub use medusa::{MedusaConfig, MedusaHeads};
+pub use params::Params;

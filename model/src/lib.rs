@@ -31,7 +31,7 @@ pub use config::{Architecture, ModelConfig};
 pub use error::{ModelError, Result};
 pub use generate::{generate, Generation, StopReason};
 pub use kv_cache::KvCache;
-pub use llama::{CausalLm, ForwardInput, ForwardOutput, Llama, LmHead};
+pub use llama::{CausalLm, DecoderLayer, ForwardInput, ForwardOutput, Llama, LmHead, Rotary};
 pub use sampling::{Sampler, SamplingArgs, SamplingParams};
 pub use target::{Target, TargetArgs};
 pub use tokenizer::TextTokenizer;

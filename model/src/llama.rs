@@ -70,12 +70,12 @@ impl RmsNorm {
 
 /// Rotary embedding: inverse frequencies, and cos/sin computed per forward from explicit position
 /// ids (so tree nodes at equal depth share a position).
-struct Rotary {
+pub struct Rotary {
     inv_freq: Tensor,
 }
 
 impl Rotary {
-    fn new(config: &ModelConfig, device: tch::Device) -> Self {
+    pub fn new(config: &ModelConfig, device: tch::Device) -> Self {
         let dim = config.head_dim;
         let mut inv_freq: Vec<f64> = (0..dim / 2)
             .map(|i| 1.0 / config.rope_theta.powf((2 * i) as f64 / dim as f64))
@@ -90,7 +90,7 @@ impl Rotary {
     }
 
     /// `(cos, sin)` of shape `[batch, new, 1, head_dim]` in `kind`, for positions `[batch, new]`.
-    fn cos_sin(&self, positions: &Tensor, kind: Kind) -> (Tensor, Tensor) {
+    pub fn cos_sin(&self, positions: &Tensor, kind: Kind) -> (Tensor, Tensor) {
         let freqs = positions.to_kind(Kind::Float).unsqueeze(-1) * &self.inv_freq;
         let angles = Tensor::cat(&[&freqs, &freqs], -1).unsqueeze(2);
         (angles.cos().to_kind(kind), angles.sin().to_kind(kind))
@@ -247,7 +247,8 @@ impl Mlp {
 
 /// One pre-norm decoder layer: attention and MLP, each with a residual connection.
 pub struct DecoderLayer {
-    input_layernorm: RmsNorm,
+    /// `None` only in EAGLE-1's draft layer, whose attention reads its input un-normed.
+    input_layernorm: Option<RmsNorm>,
     self_attn: Attention,
     post_attention_layernorm: RmsNorm,
     mlp: Mlp,
@@ -262,7 +263,18 @@ struct LayerContext<'a> {
 }
 
 impl DecoderLayer {
-    fn load(source: &mut dyn WeightSource, prefix: &str, c: &ModelConfig) -> Result<Self> {
+    /// Loads the layer under `prefix` (e.g. `model.layers.3`).
+    pub fn load(source: &mut dyn WeightSource, prefix: &str, c: &ModelConfig) -> Result<Self> {
+        Self::load_with(source, prefix, c, true)
+    }
+
+    /// Loads the layer, with or without `input_layernorm` (EAGLE-1's draft layer has none).
+    pub fn load_with(
+        source: &mut dyn WeightSource,
+        prefix: &str,
+        c: &ModelConfig,
+        input_norm: bool,
+    ) -> Result<Self> {
         let norm = |source: &mut dyn WeightSource, name: &str| {
             RmsNorm::load(
                 source,
@@ -272,17 +284,52 @@ impl DecoderLayer {
             )
         };
         Ok(Self {
-            input_layernorm: norm(source, "input_layernorm")?,
+            input_layernorm: if input_norm {
+                Some(norm(source, "input_layernorm")?)
+            } else {
+                None
+            },
             self_attn: Attention::load(source, &format!("{prefix}.self_attn"), c)?,
             post_attention_layernorm: norm(source, "post_attention_layernorm")?,
             mlp: Mlp::load(source, &format!("{prefix}.mlp"), c)?,
         })
     }
 
+    /// Runs the layer on its own (a draft head's single layer): `x` is `[batch, new, hidden]`,
+    /// `rope` comes from [`Rotary::cos_sin`], the cache (if any) holds this layer as its layer 0,
+    /// and `mask` works as in [`ForwardInput::mask`].
+    pub fn forward_standalone(
+        &self,
+        x: &Tensor,
+        rope: &(Tensor, Tensor),
+        cache: Option<&mut KvCache>,
+        mask: Option<&Tensor>,
+    ) -> Result<Tensor> {
+        let past = cache.as_ref().map_or(0, |c| c.len());
+        let new = x.size()[1] as usize;
+        if let Some(c) = cache.as_deref() {
+            c.check_room(new)?;
+        }
+        let implicit = attention_mask(past, new, mask, x.device());
+        let mut ctx = LayerContext {
+            layer: 0,
+            cache,
+            mask: mask.or(implicit.mask.as_ref()),
+            is_causal: implicit.is_causal,
+        };
+        let y = self.forward(x, rope, &mut ctx);
+        if let Some(c) = ctx.cache {
+            c.advance(new);
+        }
+        Ok(y)
+    }
+
     fn forward(&self, x: &Tensor, rope: &(Tensor, Tensor), ctx: &mut LayerContext) -> Tensor {
-        let x = x + self
-            .self_attn
-            .forward(&self.input_layernorm.forward(x), rope, ctx);
+        let attention_input = match &self.input_layernorm {
+            Some(norm) => norm.forward(x),
+            None => x.shallow_clone(),
+        };
+        let x = x + self.self_attn.forward(&attention_input, rope, ctx);
         let mlp = self.mlp.forward(&self.post_attention_layernorm.forward(&x));
         x + mlp
     }
@@ -362,16 +409,9 @@ impl Llama {
         if let Some(c) = cache.as_deref() {
             c.check_room(new)?;
         }
-        let implicit_mask;
-        let (mask, is_causal) = match (input.mask, past, new) {
-            (Some(m), _, _) => (Some(m), false),
-            (None, _, 1) => (None, false),
-            (None, 0, _) => (None, true),
-            (None, _, _) => {
-                implicit_mask = crate::mask::causal_mask(past, new, self.embed_tokens.device());
-                (Some(&implicit_mask), false)
-            }
-        };
+        let implicit = attention_mask(past, new, input.mask, self.embed_tokens.device());
+        let mask = input.mask.or(implicit.mask.as_ref());
+        let is_causal = implicit.is_causal;
         let mut x = self.embed_tokens.embedding_from(input.input_ids);
         let rope = self.rotary.cos_sin(input.positions, x.kind());
         let mut taps: Vec<Option<Tensor>> = input.taps.iter().map(|_| None).collect();
@@ -442,6 +482,27 @@ impl Llama {
         }
         Ok(new as usize)
     }
+}
+
+/// What attention needs when the caller gave no mask: nothing for one new token, SDPA's causal
+/// flag for a prefill without cache, an explicit causal mask over cache + new tokens otherwise.
+struct ImplicitMask {
+    mask: Option<Tensor>,
+    is_causal: bool,
+}
+
+fn attention_mask(
+    past: usize,
+    new: usize,
+    given: Option<&Tensor>,
+    device: tch::Device,
+) -> ImplicitMask {
+    let (mask, is_causal) = match (given, past, new) {
+        (Some(_), _, _) | (None, _, 1) => (None, false),
+        (None, 0, _) => (None, true),
+        (None, _, _) => (Some(crate::mask::causal_mask(past, new, device)), false),
+    };
+    ImplicitMask { mask, is_causal }
 }
 
 fn record_tap(taps: &mut [Option<Tensor>], wanted: &[usize], layer: usize, x: &Tensor) {
