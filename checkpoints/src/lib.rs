@@ -1,4 +1,335 @@
-//! Head checkpoints (config + safetensors, tied to the target's fingerprint) and the training
-//! state that makes `--resume` continue bit for bit.
+//! Head checkpoints and training state on disk.
 //!
-//! Empty until the trainer arrives (issue 4).
+//! A training run's output directory holds one directory per checkpoint, `step-NNNNNNNN/`, and a
+//! `latest` file naming the newest complete one:
+//!
+//! ```text
+//! OUT/latest                       "step-00001000"
+//! OUT/step-00001000/config.json    head kind and sizes, target fingerprint, draft vocabulary, step
+//! OUT/step-00001000/model.safetensors   the head's parameters (reference-repository names)
+//! OUT/step-00001000/training/      optimizer moments + trainer state (only what --resume needs)
+//! ```
+//!
+//! A checkpoint is written into a temporary directory and renamed into place, then `latest` is
+//! replaced atomically, so a kill at any moment leaves `latest` pointing at a complete checkpoint.
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+
+use headway_heads::MedusaConfig;
+use headway_model::files::write_atomically;
+use headway_model::fingerprint::bytes_sha256;
+use headway_model::safetensors_io::{from_safetensors_bytes, to_safetensors_bytes};
+use headway_model::ModelError;
+use serde::{Deserialize, Serialize};
+use tch::Tensor;
+
+pub const CHECKPOINT_FORMAT: &str = "headway-head/1";
+pub const LATEST_FILE: &str = "latest";
+const CONFIG_FILE: &str = "config.json";
+const WEIGHTS_FILE: &str = "model.safetensors";
+const TRAINING_DIR: &str = "training";
+const OPTIMIZER_FILE: &str = "optimizer.safetensors";
+const TRAINER_STATE_FILE: &str = "trainer_state.json";
+
+#[derive(Debug, thiserror::Error)]
+pub enum CheckpointError {
+    #[error("checkpoint {path}: {message}")]
+    Invalid { path: PathBuf, message: String },
+    #[error(
+        "checkpoint {path} was trained on target {expected}, but the target given is {found}; \
+         use the target it was trained on"
+    )]
+    TargetMismatch {
+        path: PathBuf,
+        expected: String,
+        found: String,
+    },
+    #[error(transparent)]
+    Model(#[from] ModelError),
+}
+
+pub type Result<T, E = CheckpointError> = std::result::Result<T, E>;
+
+fn invalid(path: &Path, message: impl Into<String>) -> CheckpointError {
+    CheckpointError::Invalid {
+        path: path.to_path_buf(),
+        message: message.into(),
+    }
+}
+
+/// Which head a checkpoint holds.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(tag = "kind", rename_all = "lowercase")]
+pub enum HeadKind {
+    Medusa(MedusaConfig),
+    Eagle,
+}
+
+impl HeadKind {
+    pub fn name(&self) -> &'static str {
+        match self {
+            Self::Medusa(_) => "medusa",
+            Self::Eagle => "eagle",
+        }
+    }
+}
+
+/// The target a head was trained on.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct TargetRef {
+    pub fingerprint: String,
+    pub dir: String,
+    pub hidden_size: usize,
+    pub vocab_size: usize,
+}
+
+/// `config.json` of a checkpoint.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct CheckpointConfig {
+    pub format: String,
+    pub head: HeadKind,
+    pub target: TargetRef,
+    /// Draft index → target id when the head drafts over a reduced vocabulary.
+    pub draft_vocab: Option<Vec<u32>>,
+    /// Optimizer updates the weights have seen.
+    pub step: u64,
+    /// SHA-256 of model.safetensors.
+    pub weights_sha256: String,
+}
+
+/// What `--resume` needs besides the weights.
+pub struct TrainingState {
+    /// Optimizer tensors by name.
+    pub optimizer: Vec<(String, Tensor)>,
+    /// The trainer's own state (step, RNG, data position, settings), as JSON.
+    pub trainer: serde_json::Value,
+}
+
+/// A checkpoint read back.
+pub struct Checkpoint {
+    pub dir: PathBuf,
+    pub config: CheckpointConfig,
+    pub weights: BTreeMap<String, Tensor>,
+}
+
+/// Name of the checkpoint directory for `step`.
+pub fn step_dir_name(step: u64) -> String {
+    format!("step-{step:08}")
+}
+
+/// Writes a checkpoint of `weights` into `out/step-NNNNNNNN/` and points `out/latest` at it.
+/// `config.weights_sha256` is filled in here. Returns the checkpoint's directory.
+pub fn save(
+    out: &Path,
+    config: &CheckpointConfig,
+    weights: &[(String, Tensor)],
+    training: Option<&TrainingState>,
+) -> Result<PathBuf> {
+    std::fs::create_dir_all(out).map_err(|e| ModelError::io(out, e))?;
+    let name = step_dir_name(config.step);
+    let final_dir = out.join(&name);
+    let temp = tempfile::Builder::new()
+        .prefix(&format!(".{name}."))
+        .suffix(".tmp")
+        .tempdir_in(out)
+        .map_err(|e| ModelError::io(out, e))?;
+    let bytes = to_safetensors_bytes(weights, None, &final_dir.join(WEIGHTS_FILE))?;
+    let config = CheckpointConfig {
+        weights_sha256: bytes_sha256(&bytes),
+        ..config.clone()
+    };
+    write_file(&temp.path().join(WEIGHTS_FILE), &bytes)?;
+    let json = serde_json::to_string_pretty(&config).expect("checkpoint config serialises") + "\n";
+    write_file(&temp.path().join(CONFIG_FILE), json.as_bytes())?;
+    if let Some(training) = training {
+        let dir = temp.path().join(TRAINING_DIR);
+        std::fs::create_dir(&dir).map_err(|e| ModelError::io(&dir, e))?;
+        let bytes = to_safetensors_bytes(&training.optimizer, None, &dir.join(OPTIMIZER_FILE))?;
+        write_file(&dir.join(OPTIMIZER_FILE), &bytes)?;
+        let json = serde_json::to_string_pretty(&training.trainer).expect("JSON value serialises");
+        write_file(&dir.join(TRAINER_STATE_FILE), json.as_bytes())?;
+    }
+    if final_dir.exists() {
+        std::fs::remove_dir_all(&final_dir).map_err(|e| ModelError::io(&final_dir, e))?;
+    }
+    let temp_path = temp.keep();
+    std::fs::rename(&temp_path, &final_dir).map_err(|e| ModelError::io(&final_dir, e))?;
+    write_atomically(&out.join(LATEST_FILE), |file, path| {
+        use std::io::Write;
+        file.write_all(name.as_bytes())
+            .map_err(|e| ModelError::io(path, e))
+    })?;
+    Ok(final_dir)
+}
+
+fn write_file(path: &Path, bytes: &[u8]) -> Result<()> {
+    use std::io::Write;
+    let mut file = std::fs::File::create(path).map_err(|e| ModelError::io(path, e))?;
+    file.write_all(bytes)
+        .and_then(|()| file.sync_all())
+        .map_err(|e| ModelError::io(path, e))?;
+    Ok(())
+}
+
+/// The checkpoint directory `path` stands for: itself when it holds a `config.json`, else the
+/// one its `latest` file names.
+pub fn resolve(path: &Path) -> Result<PathBuf> {
+    if path.join(CONFIG_FILE).exists() {
+        return Ok(path.to_path_buf());
+    }
+    let latest = path.join(LATEST_FILE);
+    let name = std::fs::read_to_string(&latest).map_err(|_| {
+        invalid(path, format!("neither {CONFIG_FILE} nor {LATEST_FILE} found: not a checkpoint or training output directory"))
+    })?;
+    let dir = path.join(name.trim());
+    if !dir.join(CONFIG_FILE).exists() {
+        return Err(invalid(
+            &dir,
+            format!("{LATEST_FILE} names it but it has no {CONFIG_FILE}"),
+        ));
+    }
+    Ok(dir)
+}
+
+/// Reads the checkpoint at `path` (a checkpoint or a training output directory), verifying the
+/// weights' checksum.
+pub fn load(path: &Path) -> Result<Checkpoint> {
+    let dir = resolve(path)?;
+    let config_path = dir.join(CONFIG_FILE);
+    let text =
+        std::fs::read_to_string(&config_path).map_err(|e| ModelError::io(&config_path, e))?;
+    let config: CheckpointConfig = serde_json::from_str(&text).map_err(|e| {
+        invalid(
+            &dir,
+            format!("{CONFIG_FILE} is not a head checkpoint config: {e}"),
+        )
+    })?;
+    if config.format != CHECKPOINT_FORMAT {
+        return Err(invalid(
+            &dir,
+            format!(
+                "format {:?}, this Headway reads {CHECKPOINT_FORMAT:?}",
+                config.format
+            ),
+        ));
+    }
+    let weights_path = dir.join(WEIGHTS_FILE);
+    let bytes = std::fs::read(&weights_path).map_err(|e| ModelError::io(&weights_path, e))?;
+    let sha256 = bytes_sha256(&bytes);
+    if sha256 != config.weights_sha256 {
+        return Err(invalid(
+            &dir,
+            format!(
+                "{WEIGHTS_FILE} is corrupt: checksum {sha256}, config.json says {}",
+                config.weights_sha256
+            ),
+        ));
+    }
+    let (weights, _) = from_safetensors_bytes(&bytes, &weights_path)?;
+    Ok(Checkpoint {
+        dir,
+        config,
+        weights: weights.into_iter().collect(),
+    })
+}
+
+/// Reads the training state saved with the checkpoint at `dir`.
+pub fn load_training_state(dir: &Path) -> Result<(BTreeMap<String, Tensor>, serde_json::Value)> {
+    let training = dir.join(TRAINING_DIR);
+    let optimizer_path = training.join(OPTIMIZER_FILE);
+    let bytes = std::fs::read(&optimizer_path).map_err(|e| ModelError::io(&optimizer_path, e))?;
+    let (optimizer, _) = from_safetensors_bytes(&bytes, &optimizer_path)?;
+    let state_path = training.join(TRAINER_STATE_FILE);
+    let text = std::fs::read_to_string(&state_path).map_err(|e| ModelError::io(&state_path, e))?;
+    let state = serde_json::from_str(&text)
+        .map_err(|e| invalid(dir, format!("{TRAINER_STATE_FILE}: {e}")))?;
+    Ok((optimizer.into_iter().collect(), state))
+}
+
+impl Checkpoint {
+    /// Checks that the head was trained on the target with `fingerprint`.
+    pub fn check_target(&self, fingerprint: &str) -> Result<()> {
+        if self.config.target.fingerprint == fingerprint {
+            return Ok(());
+        }
+        Err(CheckpointError::TargetMismatch {
+            path: self.dir.clone(),
+            expected: self.config.target.fingerprint.clone(),
+            found: fingerprint.to_string(),
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use tch::{Device, Kind};
+
+    fn config(step: u64) -> CheckpointConfig {
+        CheckpointConfig {
+            format: CHECKPOINT_FORMAT.into(),
+            head: HeadKind::Eagle,
+            target: TargetRef {
+                fingerprint: "sha256:abc".into(),
+                dir: "/t".into(),
+                hidden_size: 4,
+                vocab_size: 10,
+            },
+            draft_vocab: Some(vec![3, 1]),
+            step,
+            weights_sha256: String::new(),
+        }
+    }
+
+    #[test]
+    fn saves_round_trip_and_latest_follows_the_newest() {
+        let dir = tempfile::tempdir().unwrap();
+        let w = Tensor::randn([4, 4], (Kind::Float, Device::Cpu));
+        let training = TrainingState {
+            optimizer: vec![("m.w".into(), w.ones_like())],
+            trainer: serde_json::json!({"step": 5}),
+        };
+        save(
+            dir.path(),
+            &config(5),
+            &[("w".into(), w.shallow_clone())],
+            Some(&training),
+        )
+        .unwrap();
+        save(dir.path(), &config(9), &[("w".into(), &w * 2.0)], None).unwrap();
+        let latest = load(dir.path()).unwrap();
+        assert_eq!(latest.config.step, 9);
+        assert!(latest.weights["w"].equal(&(&w * 2.0)));
+        let older = load(&dir.path().join("step-00000005")).unwrap();
+        assert_eq!(older.config.draft_vocab, Some(vec![3, 1]));
+        let (optimizer, state) = load_training_state(&older.dir).unwrap();
+        assert!(optimizer["m.w"].equal(&w.ones_like()));
+        assert_eq!(state["step"], 5);
+        assert!(older.check_target("sha256:abc").is_ok());
+        let err = older.check_target("sha256:def").unwrap_err().to_string();
+        assert!(
+            err.contains("sha256:abc") && err.contains("sha256:def"),
+            "{err}"
+        );
+    }
+
+    #[test]
+    fn a_corrupt_checkpoint_is_named() {
+        let dir = tempfile::tempdir().unwrap();
+        let w = Tensor::randn([8], (Kind::Float, Device::Cpu));
+        let path = save(dir.path(), &config(1), &[("w".into(), w)], None).unwrap();
+        let weights = path.join(WEIGHTS_FILE);
+        let mut bytes = std::fs::read(&weights).unwrap();
+        let last = bytes.len() - 1;
+        bytes[last] ^= 1;
+        std::fs::write(&weights, bytes).unwrap();
+        let err = load(dir.path()).err().unwrap().to_string();
+        assert!(
+            err.contains("step-00000001") && err.contains("corrupt"),
+            "{err}"
+        );
+        let err = load(&dir.path().join("nothing")).err().unwrap().to_string();
+        assert!(err.contains("not a checkpoint"), "{err}");
+    }
+}
