@@ -22,7 +22,7 @@ export HEADWAY_HOME
 export CARGO_TARGET_DIR ?= $(HEADWAY_HOME)/target
 BIN := $(CARGO_TARGET_DIR)/release
 
-.PHONY: demo test build venv model data ref-env fixtures bench clean-cache
+.PHONY: demo test build venv model data ref-env fixtures bench bench-prepare clean-cache
 
 demo: model build
 	$(BIN)/headway-serve generate --chat --max-new-tokens 128 \
@@ -70,6 +70,15 @@ bench: model build ref-env
 	$(BIN)/headway-serve bench --method ar --threads 2 --questions $(QUESTIONS) --json bench-ar.json
 	$(PYTHON) scripts/bench_transformers.py --threads 2 --questions $(QUESTIONS) --json bench-transformers.json
 	$(PYTHON) scripts/compare_token_ids.py bench-ar.json bench-transformers.json
+
+# prepare throughput on 200 ShareGPT conversations against the same forward in PyTorch.
+PREPARE_BENCH_DIR ?= /tmp/headway-bench-prepare
+bench-prepare: model data build ref-env
+	rm -rf $(PREPARE_BENCH_DIR)
+	$(BIN)/headway-train prepare --data sharegpt --max-seqs 200 --threads 2 \
+		--out $(PREPARE_BENCH_DIR) --json bench-prepare.json
+	$(PYTHON) scripts/bench_prepare_torch.py --threads 2 --features $(PREPARE_BENCH_DIR) \
+		--headway-json bench-prepare.json --json bench-prepare-torch.json
 
 clean-cache:
 	rm -rf $(VENV) $(HEADWAY_HOME)/models $(CARGO_TARGET_DIR)

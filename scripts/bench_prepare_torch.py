@@ -10,7 +10,8 @@ multiply limit measured on the same GEMM shapes; with `--headway-json` (written 
 `headway-train prepare --json`) it prints both sides and their ratio.
 
 As a check that both sides compute the same thing it reports the largest difference between its
-hidden states and the stored features of the first shard.
+hidden states (cast to the stored dtype) and the stored features of the first shard, relative to
+each sequence's largest stored value.
 
 Usage (from the repository root)::
 
@@ -117,7 +118,7 @@ def main() -> None:
                     for row, i in enumerate(batch):
                         want = stored["hidden"][offsets[i] : offsets[i + 1]].float()
                         got = hidden[row, : lengths[i]].to(stored["hidden"].dtype).float()
-                        diff = (want - got).abs().max().item()
+                        diff = ((want - got).abs().max() / want.abs().max()).item()
                         max_diff = diff if max_diff is None else max(max_diff, diff)
             print(f"{shard['file']}: {tokens} tokens so far, {tokens / seconds:.0f} tokens/s", flush=True)
 
@@ -133,14 +134,14 @@ def main() -> None:
         "pytorch_tokens_per_s": tokens / seconds,
         "pytorch_gflops": flops / seconds / 1e9,
         "gemm_limit_gflops": limit,
-        "max_abs_diff_vs_stored_first_shard": max_diff,
+        "max_rel_diff_vs_stored_first_shard": max_diff,
         "stored_dtype": settings["dtype"],
     }
     print(
         f"PyTorch {torch.__version__}, {args.threads} threads: {tokens} tokens in {seconds:.1f} s = "
         f"{result['pytorch_tokens_per_s']:.0f} tokens/s, {result['pytorch_gflops']:.0f} GFLOP/s useful "
         f"({100 * result['pytorch_gflops'] / limit:.0f}% of the {limit:.0f} GFLOP/s GEMM limit); "
-        f"padding {100 * (padded - tokens) / padded:.1f}%; max |diff| vs stored (first shard) {max_diff:.2e}"
+        f"padding {100 * (padded - tokens) / padded:.1f}%; max |diff| / max |stored| (first shard) {max_diff:.2e}"
     )
     if args.headway_json:
         headway = json.loads(args.headway_json.read_text())

@@ -1,7 +1,13 @@
 //! `headway-train`: make a target usable (convert), prepare and verify its features, and (as the
 //! pipeline grows) train draft heads.
 
+mod data;
+mod heads_cmd;
+mod interop;
+mod objective;
+mod optim;
 mod prepare;
+mod trainer;
 
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -36,6 +42,17 @@ enum Command {
     /// Check a feature directory: its manifest, and every shard's size, checksum and contents.
     /// Exits non-zero naming each bad shard.
     Verify(prepare::VerifyArgs),
+    /// Train Medusa-1 heads on prepared features (head k predicts the token k + 2 ahead).
+    Medusa(heads_cmd::MedusaArgs),
+    /// Train an EAGLE head (feature-level autoregression) on prepared features.
+    Eagle(heads_cmd::EagleArgs),
+    /// Evaluate a head checkpoint on the held-out split: per-head top-1/top-5 (Medusa), top-1
+    /// and chain acceptance alpha1..alpha5 (EAGLE).
+    Eval(heads_cmd::EvalArgs),
+    /// Write a head checkpoint in the Medusa repository's or EAGLE's (vLLM, SGLang) layout.
+    Export(interop::ExportArgs),
+    /// Read a head in the Medusa or EAGLE layout into a Headway checkpoint.
+    Import(interop::ImportArgs),
 }
 
 #[derive(clap::Args)]
@@ -71,6 +88,11 @@ fn run(cli: Cli) -> anyhow::Result<()> {
         Command::Convert(args) => run_convert(args),
         Command::Prepare(args) => prepare::run_prepare(args),
         Command::Verify(args) => prepare::run_verify(args),
+        Command::Medusa(args) => heads_cmd::run_medusa(args),
+        Command::Eagle(args) => heads_cmd::run_eagle(args),
+        Command::Eval(args) => heads_cmd::run_eval(args),
+        Command::Export(args) => interop::run_export(args),
+        Command::Import(args) => interop::run_import(args),
     }
 }
 

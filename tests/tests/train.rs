@@ -1,0 +1,282 @@
+//! Head training as a user runs it, on features of a tiny random target: a resumed run ends with
+//! the same weights as an uninterrupted one, and evaluation prints its table.
+
+use std::path::Path;
+use std::process::{Command, Output};
+
+use headway_model::testing::write_tiny_model;
+use headway_tests::{binary, run, stderr, stdout};
+
+fn headway_train(args: &[&str], abort_after_step: Option<u64>) -> Output {
+    let mut command = Command::new(binary("headway-train"));
+    command
+        .args(args)
+        .env_remove("LD_LIBRARY_PATH")
+        .env_remove("HEADWAY_TARGET");
+    if let Some(step) = abort_after_step {
+        command.env("HEADWAY_TEST_ABORT_AFTER_STEP", step.to_string());
+    }
+    command.output().unwrap()
+}
+
+/// A tiny target and features of 40 short chats (a quarter held out).
+fn features(root: &Path) {
+    write_tiny_model(&root.join("target"), 5).unwrap();
+    let lines: Vec<String> = (0..40)
+        .map(|i| {
+            serde_json::json!({"id": i, "messages": [
+                {"role": "user", "content": format!("Count to {}.", i % 7 + 2)},
+                {"role": "assistant", "content": (1..=(i % 7 + 2)).map(|n| n.to_string()).collect::<Vec<_>>().join(", ")},
+            ]})
+            .to_string()
+        })
+        .collect();
+    std::fs::write(root.join("chats.jsonl"), lines.join("\n")).unwrap();
+    let target = root.join("target");
+    let out = headway_train(
+        &[
+            "prepare",
+            "--data",
+            root.join("chats.jsonl").to_str().unwrap(),
+            "--target",
+            target.to_str().unwrap(),
+            "--out",
+            root.join("features").to_str().unwrap(),
+            "--dtype",
+            "f32",
+            "--held-out",
+            "0.25",
+        ],
+        None,
+    );
+    assert!(out.status.success(), "{}", stderr(&out));
+}
+
+fn train_args<'a>(head: &'a str, root: &'a Path, out: &'a str, extra: &[&'a str]) -> Vec<String> {
+    let mut args: Vec<String> = [
+        head,
+        "--features",
+        root.join("features").to_str().unwrap(),
+        "--target",
+        root.join("target").to_str().unwrap(),
+        "--out",
+        out,
+        "--steps",
+        "6",
+        "--save-every",
+        "3",
+        "--batch-tokens",
+        "128",
+        "--warmup",
+        "2",
+        "--lr",
+        "1e-3",
+    ]
+    .iter()
+    .map(|s| s.to_string())
+    .collect();
+    args.extend(extra.iter().map(|s| s.to_string()));
+    args
+}
+
+fn as_strs(args: &[String]) -> Vec<&str> {
+    args.iter().map(String::as_str).collect()
+}
+
+#[test]
+fn a_resumed_run_ends_with_the_same_weights_as_an_uninterrupted_one() {
+    let dir = tempfile::tempdir().unwrap();
+    let root = dir.path();
+    features(root);
+    for (head, extra) in [
+        ("eagle", &[][..]),
+        ("medusa", &["--heads", "2", "--draft-vocab", "64"][..]),
+    ] {
+        let whole = root.join(format!("{head}-whole"));
+        let parts = root.join(format!("{head}-parts"));
+        let args = train_args(head, root, whole.to_str().unwrap(), extra);
+        let out = headway_train(&as_strs(&args), None);
+        assert!(out.status.success(), "{head}: {}", stderr(&out));
+        assert!(stdout(&out).contains("trained 6 steps"), "{}", stdout(&out));
+        let args = train_args(head, root, parts.to_str().unwrap(), extra);
+        let killed = headway_train(&as_strs(&args), Some(3));
+        assert!(
+            !killed.status.success(),
+            "{head}: the abort hook did not stop training"
+        );
+        assert_eq!(
+            std::fs::read_to_string(parts.join("latest")).unwrap(),
+            "step-00000003"
+        );
+        let mut resume = args.clone();
+        resume.push("--resume".into());
+        let out = headway_train(&as_strs(&resume), None);
+        assert!(out.status.success(), "{head} resume: {}", stderr(&out));
+        let read = |dir: &Path| std::fs::read(dir.join("step-00000006/model.safetensors")).unwrap();
+        assert!(
+            read(&whole) == read(&parts),
+            "{head}: resumed weights differ"
+        );
+        assert!(
+            whole.join("logs").read_dir().unwrap().next().is_some(),
+            "no tensorboard log"
+        );
+
+        let eval = run(
+            "headway-train",
+            &[
+                "eval",
+                "--heads",
+                whole.to_str().unwrap(),
+                "--features",
+                root.join("features").to_str().unwrap(),
+                "--target",
+                root.join("target").to_str().unwrap(),
+            ],
+        );
+        assert!(eval.status.success(), "{}", stderr(&eval));
+        let table = stdout(&eval);
+        let wanted = if head == "eagle" {
+            ["top1", "alpha5"]
+        } else {
+            ["head0/top1", "head1/top5"]
+        };
+        for name in wanted {
+            assert!(table.contains(name), "{head} eval lacks {name}: {table}");
+        }
+    }
+}
+
+#[test]
+fn export_then_import_gives_back_the_same_weights() {
+    let dir = tempfile::tempdir().unwrap();
+    let root = dir.path();
+    features(root);
+    let target = root.join("target");
+    for (head, extra) in [
+        ("eagle", &["--draft-vocab", "100"][..]),
+        ("medusa", &["--heads", "2"][..]),
+    ] {
+        let trained = root.join(format!("{head}-run"));
+        let args = train_args(head, root, trained.to_str().unwrap(), extra);
+        assert!(headway_train(&as_strs(&args), None).status.success());
+        let exported = root.join(format!("{head}-exported"));
+        let out = run(
+            "headway-train",
+            &[
+                "export",
+                "--heads",
+                trained.to_str().unwrap(),
+                "--format",
+                head,
+                "--out",
+                exported.to_str().unwrap(),
+                "--target",
+                target.to_str().unwrap(),
+            ],
+        );
+        assert!(out.status.success(), "{}", stderr(&out));
+        let expected_file = if head == "eagle" {
+            "model.safetensors"
+        } else {
+            "medusa_lm_head.safetensors"
+        };
+        assert!(exported.join(expected_file).exists() && exported.join("config.json").exists());
+        let imported = root.join(format!("{head}-imported"));
+        let out = run(
+            "headway-train",
+            &[
+                "import",
+                "--from",
+                exported.to_str().unwrap(),
+                "--format",
+                head,
+                "--out",
+                imported.to_str().unwrap(),
+                "--target",
+                target.to_str().unwrap(),
+            ],
+        );
+        assert!(out.status.success(), "{}", stderr(&out));
+        let original = std::fs::read(trained.join("step-00000006/model.safetensors")).unwrap();
+        let back = std::fs::read(imported.join("step-00000000/model.safetensors")).unwrap();
+        assert!(
+            original == back,
+            "{head}: weights changed in the round trip"
+        );
+        let config = std::fs::read_to_string(imported.join("step-00000000/config.json")).unwrap();
+        let original_config =
+            std::fs::read_to_string(trained.join("step-00000006/config.json")).unwrap();
+        let draft = |text: &str| {
+            serde_json::from_str::<serde_json::Value>(text).unwrap()["draft_vocab"].clone()
+        };
+        assert_eq!(
+            draft(&config),
+            draft(&original_config),
+            "{head}: draft vocabulary changed"
+        );
+    }
+    let wrong = run(
+        "headway-train",
+        &[
+            "export",
+            "--heads",
+            root.join("eagle-run").to_str().unwrap(),
+            "--format",
+            "medusa",
+            "--out",
+            root.join("x").to_str().unwrap(),
+            "--target",
+            target.to_str().unwrap(),
+        ],
+    );
+    assert!(
+        !wrong.status.success() && stderr(&wrong).contains("eagle head"),
+        "{}",
+        stderr(&wrong)
+    );
+}
+
+#[test]
+fn features_of_another_target_and_a_corrupt_checkpoint_are_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    let root = dir.path();
+    features(root);
+    write_tiny_model(&root.join("other"), 6).unwrap();
+    let out = root.join("run");
+    let mut args = train_args("eagle", root, out.to_str().unwrap(), &[]);
+    let target_index = args.iter().position(|a| a == "--target").unwrap() + 1;
+    args[target_index] = root.join("other").to_str().unwrap().to_string();
+    let refused = headway_train(&as_strs(&args), None);
+    assert!(!refused.status.success());
+    assert!(
+        stderr(&refused).contains("were extracted from target"),
+        "{}",
+        stderr(&refused)
+    );
+
+    let args = train_args("eagle", root, out.to_str().unwrap(), &[]);
+    assert!(headway_train(&as_strs(&args), None).status.success());
+    let weights = out.join("step-00000006/model.safetensors");
+    let mut bytes = std::fs::read(&weights).unwrap();
+    bytes[100] ^= 1;
+    std::fs::write(&weights, bytes).unwrap();
+    let eval = run(
+        "headway-train",
+        &[
+            "eval",
+            "--heads",
+            out.to_str().unwrap(),
+            "--features",
+            root.join("features").to_str().unwrap(),
+            "--target",
+            root.join("target").to_str().unwrap(),
+        ],
+    );
+    assert!(!eval.status.success());
+    assert!(
+        stderr(&eval).contains("step-00000006") && stderr(&eval).contains("corrupt"),
+        "{}",
+        stderr(&eval)
+    );
+}

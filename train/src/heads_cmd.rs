@@ -1,0 +1,412 @@
+//! `headway-train medusa | eagle | eval`: building a head for a target and its features, and
+//! running the trainer or the evaluation.
+
+use std::path::{Path, PathBuf};
+
+use anyhow::Context;
+use headway_checkpoints::{CheckpointConfig, HeadKind, TargetRef, CHECKPOINT_FORMAT};
+use headway_datasets::features::{FeatureSet, ShardSplit};
+use headway_heads::{DraftVocab, EagleConfig, EagleHead, MedusaConfig, MedusaHeads};
+use headway_model::fingerprint::target_fingerprint;
+use headway_model::linear::{set_cpu_workload, CpuWorkload};
+use headway_model::target::DtypeArg;
+use headway_model::{Target, TargetArgs};
+use tch::{Kind, Tensor};
+
+use crate::data::BatchStream;
+use crate::objective::{EagleObjective, MedusaObjective, Objective};
+use crate::optim::AdamWConfig;
+use crate::trainer::{evaluate, summary_line, TrainSettings, Trainer};
+
+/// Options every head trainer takes.
+#[derive(clap::Args)]
+pub struct TrainArgs {
+    /// Feature directory made by `headway-train prepare`.
+    #[arg(long)]
+    features: PathBuf,
+    /// Output directory: checkpoints `step-N/`, `latest`, and tensorboard logs in `logs/`.
+    #[arg(long)]
+    out: PathBuf,
+    /// The target the features came from (checked by fingerprint). Default: the embedded
+    /// SmolLM2-135M-Instruct.
+    #[arg(long, env = "HEADWAY_TARGET")]
+    target: Option<PathBuf>,
+    /// Where to train: cpu, cuda or cuda:N.
+    #[arg(long, default_value = "cpu")]
+    device: String,
+    /// CPU threads (0: one per core).
+    #[arg(long, default_value_t = 0)]
+    threads: usize,
+    /// Optimizer updates to run (overrides --epochs).
+    #[arg(long)]
+    steps: Option<u64>,
+    /// Passes over the training split (used when --steps is not given).
+    #[arg(long, default_value_t = 1)]
+    epochs: u64,
+    /// Peak learning rate.
+    #[arg(long, default_value_t = 3e-4)]
+    lr: f64,
+    /// Linear warm-up steps before the cosine decay.
+    #[arg(long, default_value_t = 50)]
+    warmup: u64,
+    /// Final learning rate as a fraction of the peak.
+    #[arg(long, default_value_t = 0.1)]
+    min_lr_ratio: f64,
+    /// AdamW decoupled weight decay.
+    #[arg(long, default_value_t = 0.0)]
+    weight_decay: f64,
+    /// Micro-batches per optimizer update.
+    #[arg(long, default_value_t = 1)]
+    grad_accum: usize,
+    /// Gradient-norm clipping threshold.
+    #[arg(long, default_value_t = 0.5)]
+    clip: f64,
+    /// Padded tokens per micro-batch.
+    #[arg(long, default_value_t = 2048)]
+    batch_tokens: usize,
+    /// Seed of initialisation, data order and noise.
+    #[arg(long, default_value_t = 0)]
+    seed: u64,
+    /// Save a checkpoint every N steps (and at the end).
+    #[arg(long, default_value_t = 200)]
+    save_every: u64,
+    /// Continue from the latest checkpoint in --out (same options required).
+    #[arg(long)]
+    resume: bool,
+    /// Draft over the N most frequent target tokens of the training data instead of the whole
+    /// vocabulary (a smaller LM-head product per draft step).
+    #[arg(long)]
+    draft_vocab: Option<usize>,
+}
+
+#[derive(clap::Args)]
+pub struct MedusaArgs {
+    #[command(flatten)]
+    common: TrainArgs,
+    /// Number of heads (head k predicts the token k + 2 ahead).
+    #[arg(long, default_value_t = 4)]
+    heads: usize,
+    /// Residual blocks per head.
+    #[arg(long, default_value_t = 1)]
+    layers: usize,
+    /// Use the frozen target LM head instead of a trained copy per head.
+    #[arg(long)]
+    shared_lm_head: bool,
+    /// Loss weight of head k is DECAY^k.
+    #[arg(long, default_value_t = 0.8)]
+    decay: f64,
+}
+
+#[derive(clap::Args)]
+pub struct EagleArgs {
+    #[command(flatten)]
+    common: TrainArgs,
+    /// Half-width of the uniform noise added to input features during training.
+    #[arg(long, default_value_t = 0.1)]
+    noise: f64,
+    /// Weight of the soft cross-entropy term next to the feature regression.
+    #[arg(long, default_value_t = 0.1)]
+    classification_weight: f64,
+}
+
+#[derive(clap::Args)]
+pub struct EvalArgs {
+    /// A head checkpoint (or a training output directory: its latest checkpoint).
+    #[arg(long)]
+    heads: PathBuf,
+    /// Feature directory whose held-out split to evaluate on.
+    #[arg(long)]
+    features: PathBuf,
+    #[arg(long, env = "HEADWAY_TARGET")]
+    target: Option<PathBuf>,
+    #[arg(long, default_value = "cpu")]
+    device: String,
+    #[arg(long, default_value_t = 0)]
+    threads: usize,
+    #[arg(long, default_value_t = 2048)]
+    batch_tokens: usize,
+}
+
+/// The target and features, checked against each other.
+struct Setup {
+    target: Target,
+    features: FeatureSet,
+    fingerprint: String,
+}
+
+fn setup(
+    target: &Option<PathBuf>,
+    device: &str,
+    threads: usize,
+    features: &Path,
+) -> anyhow::Result<Setup> {
+    let args = TargetArgs {
+        target: target.clone(),
+        device: device.to_string(),
+        dtype: DtypeArg::F32,
+        threads,
+    };
+    let target = args
+        .load()
+        .with_context(|| format!("loading target {}", args.dir().display()))?;
+    set_cpu_workload(CpuWorkload::Batch);
+    let features = FeatureSet::open(features)?;
+    let fingerprint = target_fingerprint(&target.dir)?;
+    features.check_target(&fingerprint, &target.dir)?;
+    Ok(Setup {
+        target,
+        features,
+        fingerprint,
+    })
+}
+
+/// Assistant-token counts per target id over the training split.
+fn token_counts(features: &FeatureSet, vocab: usize) -> anyhow::Result<Vec<u64>> {
+    let mut counts = vec![0u64; vocab];
+    for (index, _) in features.shards(ShardSplit::Train) {
+        let shard = features.load_shard(index)?;
+        let ids = shard
+            .input_ids
+            .masked_select(&shard.loss_mask.to_kind(Kind::Bool));
+        for id in Vec::<i32>::try_from(&ids)? {
+            counts[id as usize] += 1;
+        }
+    }
+    Ok(counts)
+}
+
+fn draft_vocab(setup: &Setup, size: Option<usize>) -> anyhow::Result<Option<DraftVocab>> {
+    let Some(size) = size else { return Ok(None) };
+    let vocab = setup.target.model.config().vocab_size;
+    let counts = token_counts(&setup.features, vocab)?;
+    let draft = DraftVocab::from_counts(&counts, size)?;
+    eprintln!(
+        "draft vocabulary: {size} tokens cover {:.1}% of the training assistant tokens",
+        100.0 * draft.coverage(&counts)
+    );
+    Ok(Some(draft))
+}
+
+/// The target LM head rows the head drafts over.
+fn lm_head_rows(target: &Target, draft: Option<&DraftVocab>) -> Tensor {
+    let weight = target.model.lm_head.weight().to_kind(Kind::Float);
+    match draft {
+        Some(d) => weight.index_select(0, &d.index(weight.device())),
+        None => weight,
+    }
+}
+
+fn settings(
+    args: &TrainArgs,
+    features: &FeatureSet,
+    device: tch::Device,
+) -> anyhow::Result<TrainSettings> {
+    let total_steps = match args.steps {
+        Some(steps) => steps,
+        None => {
+            let stream = BatchStream::new(
+                features,
+                ShardSplit::Train,
+                args.seed,
+                true,
+                args.batch_tokens,
+                device,
+                Default::default(),
+            )?;
+            let batches: usize = (0..args.epochs)
+                .map(|e| stream.batches_in_epoch(e))
+                .sum::<anyhow::Result<usize>>()?;
+            (batches as u64).div_ceil(args.grad_accum as u64)
+        }
+    };
+    anyhow::ensure!(
+        total_steps > 0 && args.grad_accum > 0 && args.save_every > 0,
+        "--steps, --grad-accum and --save-every must be at least 1"
+    );
+    Ok(TrainSettings {
+        lr: args.lr,
+        min_lr_ratio: args.min_lr_ratio,
+        warmup_steps: args.warmup,
+        total_steps,
+        grad_accum: args.grad_accum,
+        clip: args.clip,
+        batch_tokens: args.batch_tokens,
+        seed: args.seed,
+        adamw: AdamWConfig {
+            weight_decay: args.weight_decay,
+            ..AdamWConfig::default()
+        },
+        save_every: args.save_every,
+    })
+}
+
+fn checkpoint_config(
+    setup: &Setup,
+    head: HeadKind,
+    draft: Option<&DraftVocab>,
+    step: u64,
+) -> CheckpointConfig {
+    let c = setup.target.model.config();
+    CheckpointConfig {
+        format: CHECKPOINT_FORMAT.to_string(),
+        head,
+        target: TargetRef {
+            fingerprint: setup.fingerprint.clone(),
+            dir: setup.target.dir.display().to_string(),
+            hidden_size: c.hidden_size,
+            vocab_size: c.vocab_size,
+        },
+        draft_vocab: draft.map(|d| d.d2t.clone()),
+        step,
+        weights_sha256: String::new(),
+    }
+}
+
+fn train(
+    setup: &Setup,
+    args: &TrainArgs,
+    objective: &mut dyn Objective,
+    head: HeadKind,
+    draft: Option<&DraftVocab>,
+) -> anyhow::Result<()> {
+    let device = setup.target.device;
+    let trainer = Trainer {
+        features: &setup.features,
+        settings: settings(args, &setup.features, device)?,
+        out: args.out.clone(),
+        device,
+        checkpoint_config: Box::new(|step| checkpoint_config(setup, head.clone(), draft, step)),
+    };
+    eprintln!(
+        "training {} ({:.2} M parameters) for {} steps on {}",
+        head.name(),
+        objective.params().numel() as f64 / 1e6,
+        trainer.settings.total_steps,
+        args.features.display()
+    );
+    let summary = trainer.run(objective, args.resume)?;
+    let eval = match summary.last_eval {
+        Some(eval) => eval,
+        None => trainer.evaluate(objective)?,
+    };
+    println!(
+        "trained {} steps, {} tokens in {:.1} s ({:.0} tokens/s); checkpoint {}",
+        summary.steps,
+        summary.tokens,
+        summary.seconds,
+        summary.tokens as f64 / summary.seconds.max(1e-9),
+        summary
+            .checkpoint
+            .map_or("(none)".into(), |p| p.display().to_string())
+    );
+    println!("held-out: {}", summary_line(&eval));
+    Ok(())
+}
+
+pub fn run_medusa(args: MedusaArgs) -> anyhow::Result<()> {
+    let setup = setup(
+        &args.common.target,
+        &args.common.device,
+        args.common.threads,
+        &args.common.features,
+    )?;
+    let draft = draft_vocab(&setup, args.common.draft_vocab)?;
+    let lm_head = lm_head_rows(&setup.target, draft.as_ref());
+    let config = MedusaConfig {
+        num_heads: args.heads,
+        num_layers: args.layers,
+        hidden_size: setup.target.model.config().hidden_size,
+        vocab_size: lm_head.size()[0] as usize,
+        shared_lm_head: args.shared_lm_head,
+    };
+    let mut objective = MedusaObjective {
+        heads: MedusaHeads::new(config.clone(), &lm_head)?,
+        decay: args.decay,
+        draft: draft.clone(),
+        target_vocab: setup.target.model.config().vocab_size,
+    };
+    train(
+        &setup,
+        &args.common,
+        &mut objective,
+        HeadKind::Medusa(config),
+        draft.as_ref(),
+    )
+}
+
+pub fn run_eagle(args: EagleArgs) -> anyhow::Result<()> {
+    let setup = setup(
+        &args.common.target,
+        &args.common.device,
+        args.common.threads,
+        &args.common.features,
+    )?;
+    let draft = draft_vocab(&setup, args.common.draft_vocab)?;
+    tch::manual_seed(args.common.seed as i64);
+    let head = EagleHead::new(
+        EagleConfig::for_target(setup.target.model.config()),
+        setup.target.model.model.embed_tokens(),
+        &lm_head_rows(&setup.target, draft.as_ref()),
+    )?;
+    let mut objective = EagleObjective {
+        head,
+        noise: args.noise,
+        classification_weight: args.classification_weight,
+        chain_steps: 5,
+    };
+    train(
+        &setup,
+        &args.common,
+        &mut objective,
+        HeadKind::Eagle,
+        draft.as_ref(),
+    )
+}
+
+pub fn run_eval(args: EvalArgs) -> anyhow::Result<()> {
+    let setup = setup(&args.target, &args.device, args.threads, &args.features)?;
+    let checkpoint = headway_checkpoints::load(&args.heads)?;
+    checkpoint.check_target(&setup.fingerprint)?;
+    let draft = checkpoint
+        .config
+        .draft_vocab
+        .clone()
+        .map(|d2t| DraftVocab { d2t });
+    let lm_head = lm_head_rows(&setup.target, draft.as_ref());
+    let mut objective: Box<dyn Objective> = match &checkpoint.config.head {
+        HeadKind::Medusa(config) => Box::new(MedusaObjective {
+            heads: MedusaHeads::new(config.clone(), &lm_head)?,
+            decay: 0.8,
+            draft,
+            target_vocab: setup.target.model.config().vocab_size,
+        }),
+        HeadKind::Eagle => Box::new(EagleObjective {
+            head: EagleHead::new(
+                EagleConfig::for_target(setup.target.model.config()),
+                setup.target.model.model.embed_tokens(),
+                &lm_head,
+            )?,
+            noise: 0.0,
+            classification_weight: 0.1,
+            chain_steps: 5,
+        }),
+    };
+    objective.params_mut().load(&checkpoint.weights)?;
+    let metrics = evaluate(
+        &setup.features,
+        objective.as_mut(),
+        args.batch_tokens,
+        setup.target.device,
+    )?;
+    println!(
+        "{} ({} at step {}), held-out split of {}:",
+        checkpoint.dir.display(),
+        checkpoint.config.head.name(),
+        checkpoint.config.step,
+        args.features.display()
+    );
+    for (name, value) in metrics.means() {
+        println!("  {name:<20} {value:.4}");
+    }
+    Ok(())
+}

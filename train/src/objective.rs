@@ -1,0 +1,260 @@
+//! What each head learns from a batch: its loss (backpropagated here, head by head, to bound
+//! memory) and the accuracy figures reported in training and evaluation.
+
+use std::collections::BTreeMap;
+
+use headway_heads::{DraftVocab, EagleHead, MedusaHeads, Params};
+use headway_model::mask::positions;
+use tch::{Kind, Reduction, Tensor};
+
+use crate::data::Batch;
+
+/// Sums and counts of named figures; reported as means.
+#[derive(Debug, Default, Clone)]
+pub struct Metrics(pub BTreeMap<String, (f64, f64)>);
+
+impl Metrics {
+    pub fn add(&mut self, name: &str, sum: f64, count: f64) {
+        let entry = self.0.entry(name.to_string()).or_insert((0.0, 0.0));
+        entry.0 += sum;
+        entry.1 += count;
+    }
+
+    pub fn merge(&mut self, other: &Metrics) {
+        for (name, (sum, count)) in &other.0 {
+            self.add(name, *sum, *count);
+        }
+    }
+
+    pub fn mean(&self, name: &str) -> Option<f64> {
+        self.0
+            .get(name)
+            .filter(|(_, c)| *c > 0.0)
+            .map(|(s, c)| s / c)
+    }
+
+    pub fn means(&self) -> BTreeMap<String, f64> {
+        self.0
+            .keys()
+            .filter_map(|k| self.mean(k).map(|m| (k.clone(), m)))
+            .collect()
+    }
+}
+
+/// A head and its training objective.
+pub trait Objective {
+    fn params(&self) -> &Params;
+    fn params_mut(&mut self) -> &mut Params;
+    /// Computes the loss and figures of `batch`; when `backward_scale` is given, also adds
+    /// `scale × ∂loss/∂params` to the gradients.
+    fn run(&mut self, batch: &Batch, backward_scale: Option<f64>) -> anyhow::Result<Metrics>;
+    /// Extra evaluation-only figures (EAGLE's chain acceptance).
+    fn evaluate(&mut self, batch: &Batch) -> anyhow::Result<Metrics> {
+        self.run(batch, None)
+    }
+}
+
+/// Maps target ids to draft indices and marks ids outside the draft vocabulary invalid.
+fn to_draft(
+    ids: &Tensor,
+    valid: &Tensor,
+    draft: Option<&DraftVocab>,
+    vocab: usize,
+) -> (Tensor, Tensor) {
+    match draft {
+        None => (ids.shallow_clone(), valid.shallow_clone()),
+        Some(d) => {
+            let mapped = d.to_draft(ids, vocab);
+            let inside = mapped.ge(0);
+            (mapped.clamp_min(0), valid.logical_and(&inside))
+        }
+    }
+}
+
+/// Top-1 and top-5 hits of `logits` `[n, vocab]` against `targets` `[n]`.
+fn top_hits(logits: &Tensor, targets: &Tensor) -> (f64, f64) {
+    let k = 5.min(logits.size()[1]);
+    let (_, top) = logits.topk(k, -1, true, true);
+    let hits = top.eq_tensor(&targets.unsqueeze(-1));
+    let top1 = hits.select(1, 0).sum(Kind::Float).double_value(&[]);
+    let top5 = hits.any_dim(1, false).sum(Kind::Float).double_value(&[]);
+    (top1, top5)
+}
+
+pub struct MedusaObjective {
+    pub heads: MedusaHeads,
+    /// Loss weight of head k: `decay^k`.
+    pub decay: f64,
+    pub draft: Option<DraftVocab>,
+    pub target_vocab: usize,
+}
+
+impl Objective for MedusaObjective {
+    fn params(&self) -> &Params {
+        &self.heads.params
+    }
+
+    fn params_mut(&mut self) -> &mut Params {
+        &mut self.heads.params
+    }
+
+    fn run(&mut self, batch: &Batch, backward_scale: Option<f64>) -> anyhow::Result<Metrics> {
+        let mut metrics = Metrics::default();
+        let len = batch.ids.size()[1];
+        let mut total = 0.0;
+        for k in 0..self.heads.config.num_heads {
+            let shift = k as i64 + 2;
+            if len <= shift {
+                continue;
+            }
+            let (targets, valid) = to_draft(
+                &batch.ids.narrow(1, shift, len - shift),
+                &batch.loss_mask.narrow(1, shift, len - shift),
+                self.draft.as_ref(),
+                self.target_vocab,
+            );
+            let count = valid.sum(Kind::Int64).int64_value(&[]);
+            if count == 0 {
+                continue;
+            }
+            let features = batch
+                .hidden
+                .narrow(1, 0, len - shift)
+                .masked_select(&valid.unsqueeze(-1))
+                .view([count, -1]);
+            let targets = targets.masked_select(&valid);
+            let logits = self.heads.head(k, &features)?;
+            let loss =
+                logits.cross_entropy_loss::<Tensor>(&targets, None, Reduction::Mean, -100, 0.0);
+            let weight = self.decay.powi(k as i32);
+            if let Some(scale) = backward_scale {
+                (&loss * (weight * scale)).backward();
+            }
+            let value = loss.double_value(&[]);
+            total += weight * value;
+            let (top1, top5) = tch::no_grad(|| top_hits(&logits, &targets));
+            let n = count as f64;
+            metrics.add(&format!("head{k}/loss"), value * n, n);
+            metrics.add(&format!("head{k}/top1"), top1, n);
+            metrics.add(&format!("head{k}/top5"), top5, n);
+        }
+        metrics.add("loss", total, 1.0);
+        Ok(metrics)
+    }
+}
+
+pub struct EagleObjective {
+    pub head: EagleHead,
+    /// Half-width of the uniform noise added to input features in training (EAGLE: 0.1).
+    pub noise: f64,
+    /// Weight of the soft cross-entropy term (EAGLE: 0.1).
+    pub classification_weight: f64,
+    /// Rounds of the chain-acceptance estimate in evaluation.
+    pub chain_steps: usize,
+}
+
+impl EagleObjective {
+    /// Predicted features for positions 1.. from input features for positions ..T-1.
+    fn predict(&mut self, inputs: &Tensor, batch: &Batch) -> anyhow::Result<Tensor> {
+        let (b, len) = (batch.ids.size()[0], batch.ids.size()[1]);
+        let next_ids = batch.ids.narrow(1, 1, len - 1);
+        let positions =
+            positions(0, (len - 1) as usize, batch.ids.device()).expand([b, len - 1], false);
+        let modules = self.head.modules()?;
+        Ok(modules.forward(inputs, &next_ids, &positions, None, None)?)
+    }
+
+    fn logits(&mut self, features: &Tensor) -> anyhow::Result<Tensor> {
+        Ok(self.head.modules()?.logits(features))
+    }
+}
+
+impl Objective for EagleObjective {
+    fn params(&self) -> &Params {
+        &self.head.params
+    }
+
+    fn params_mut(&mut self) -> &mut Params {
+        &mut self.head.params
+    }
+
+    fn run(&mut self, batch: &Batch, backward_scale: Option<f64>) -> anyhow::Result<Metrics> {
+        let mut metrics = Metrics::default();
+        let len = batch.ids.size()[1];
+        if len < 2 {
+            return Ok(metrics);
+        }
+        let mut inputs = batch.hidden.narrow(1, 0, len - 1);
+        if backward_scale.is_some() && self.noise > 0.0 {
+            inputs = &inputs + inputs.rand_like() * (2.0 * self.noise) - self.noise;
+        }
+        let predicted = self.predict(&inputs, batch)?;
+        let target = batch.hidden.narrow(1, 1, len - 1);
+        let valid = batch.loss_mask.narrow(1, 1, len - 1);
+        let count = valid.sum(Kind::Int64).int64_value(&[]);
+        if count == 0 {
+            return Ok(metrics);
+        }
+        let pick = |t: &Tensor| t.masked_select(&valid.unsqueeze(-1)).view([count, -1]);
+        let (predicted, target) = (pick(&predicted), pick(&target));
+        let regression = predicted.smooth_l1_loss(&target, Reduction::Mean, 1.0);
+        let predicted_logits = self.logits(&predicted)?;
+        let target_logits = tch::no_grad(|| self.logits(&target))?;
+        let target_probs = target_logits.softmax(-1, Kind::Float);
+        let classification = -(target_probs * predicted_logits.log_softmax(-1, Kind::Float))
+            .sum_dim_intlist(-1, false, Kind::Float)
+            .mean(Kind::Float);
+        let loss = &regression + &classification * self.classification_weight;
+        if let Some(scale) = backward_scale {
+            (&loss * scale).backward();
+        }
+        let n = count as f64;
+        let greedy = target_logits.argmax(-1, false);
+        let (top1, top5) = tch::no_grad(|| top_hits(&predicted_logits, &greedy));
+        metrics.add("loss", loss.double_value(&[]) * n, n);
+        metrics.add("regression", regression.double_value(&[]) * n, n);
+        metrics.add("classification", classification.double_value(&[]) * n, n);
+        metrics.add("top1", top1, n);
+        metrics.add("top5", top5, n);
+        Ok(metrics)
+    }
+
+    /// Adds EAGLE's chain acceptance `alpha_n`: in round n every input feature is the head's own
+    /// prediction from round n − 1 (tokens stay the real ones), and `alpha_n` is the share of
+    /// positions where the head's top token then equals the target's greedy token. This feeds
+    /// predictions at every earlier position too, so it is a conservative estimate of drafting,
+    /// where only the last n − 1 positions are the head's.
+    fn evaluate(&mut self, batch: &Batch) -> anyhow::Result<Metrics> {
+        let _guard = tch::no_grad_guard();
+        let mut metrics = self.run(batch, None)?;
+        let len = batch.ids.size()[1];
+        if len < 2 {
+            return Ok(metrics);
+        }
+        let valid = batch.loss_mask.narrow(1, 1, len - 1);
+        let n = valid.sum(Kind::Float).double_value(&[]);
+        let greedy = self
+            .logits(&batch.hidden.narrow(1, 1, len - 1))?
+            .argmax(-1, false);
+        let mut inputs = batch.hidden.narrow(1, 0, len - 1);
+        for step in 1..=self.chain_steps {
+            let predicted = self.predict(&inputs, batch)?;
+            let drafted = self.logits(&predicted)?.argmax(-1, false);
+            let hits = drafted
+                .eq_tensor(&greedy)
+                .logical_and(&valid)
+                .sum(Kind::Float)
+                .double_value(&[]);
+            metrics.add(&format!("alpha{step}"), hits, n);
+            // Position i's next input is the head's prediction of f_i (its output at i − 1).
+            inputs = Tensor::cat(
+                &[
+                    batch.hidden.narrow(1, 0, 1),
+                    predicted.narrow(1, 0, len - 2),
+                ],
+                1,
+            );
+        }
+        Ok(metrics)
+    }
+}

@@ -1,0 +1,259 @@
+//! The training loop shared by both heads: streaming batches, gradient accumulation, clipping,
+//! AdamW with warm-up + cosine, logs, held-out evaluation each epoch, and checkpoints that a
+//! `--resume` continues bit for bit.
+
+use std::path::PathBuf;
+use std::time::Instant;
+
+use anyhow::Context;
+use headway_checkpoints::{CheckpointConfig, TrainingState};
+use headway_datasets::features::{FeatureSet, ShardSplit};
+use headway_datasets::split::mix64;
+use indicatif::{ProgressBar, ProgressStyle};
+use serde::{Deserialize, Serialize};
+use tch::Device;
+use tensorboard_rs::summary_writer::SummaryWriter;
+
+use crate::data::{BatchStream, DataPosition};
+use crate::objective::{Metrics, Objective};
+use crate::optim::{clip_grad_norm, learning_rate, AdamW, AdamWConfig};
+
+/// Everything that decides the optimisation (saved with checkpoints; a resume must match it).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct TrainSettings {
+    pub lr: f64,
+    pub min_lr_ratio: f64,
+    pub warmup_steps: u64,
+    pub total_steps: u64,
+    pub grad_accum: usize,
+    pub clip: f64,
+    pub batch_tokens: usize,
+    pub seed: u64,
+    pub adamw: AdamWConfig,
+    pub save_every: u64,
+}
+
+/// What a checkpoint's `trainer_state.json` holds.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+struct TrainerState {
+    step: u64,
+    position: DataPosition,
+    settings: TrainSettings,
+}
+
+/// One training run.
+pub struct Trainer<'a> {
+    pub features: &'a FeatureSet,
+    pub settings: TrainSettings,
+    pub out: PathBuf,
+    pub device: Device,
+    /// Makes the checkpoint config for the current weights (step filled in by the trainer).
+    pub checkpoint_config: Box<dyn Fn(u64) -> CheckpointConfig + 'a>,
+}
+
+/// How a run ended.
+pub struct TrainSummary {
+    pub steps: u64,
+    pub tokens: usize,
+    pub seconds: f64,
+    pub last_eval: Option<Metrics>,
+    pub checkpoint: Option<PathBuf>,
+}
+
+impl Trainer<'_> {
+    /// Trains `objective` to `settings.total_steps`; with `resume`, first restores the latest
+    /// checkpoint in `out` (weights, optimizer, step, data position).
+    pub fn run(&self, objective: &mut dyn Objective, resume: bool) -> anyhow::Result<TrainSummary> {
+        let s = &self.settings;
+        let mut optimizer = AdamW::new(s.adamw, objective.params());
+        let mut step = 0;
+        let mut position = DataPosition::default();
+        if resume {
+            (step, position) = self.restore(objective, &mut optimizer)?;
+        }
+        let mut stream = BatchStream::new(
+            self.features,
+            ShardSplit::Train,
+            s.seed,
+            true,
+            s.batch_tokens,
+            self.device,
+            position,
+        )?;
+        let mut writer = SummaryWriter::new(self.out.join("logs"));
+        let bar = progress_bar(s.total_steps, step);
+        let start = Instant::now();
+        let (mut tokens, mut last_eval, mut checkpoint) = (0usize, None, None);
+        while step < s.total_steps {
+            let mut metrics = Metrics::default();
+            let mut micro = 0;
+            while micro < s.grad_accum {
+                let Some(batch) = stream.next_batch()? else {
+                    let eval = self.evaluate(objective)?;
+                    log_metrics(&mut writer, "eval", &eval, step);
+                    bar.println(format!(
+                        "epoch {} done at step {step}: held-out {}",
+                        stream.position.epoch,
+                        summary_line(&eval)
+                    ));
+                    last_eval = Some(eval);
+                    continue;
+                };
+                // Noise and any other randomness depend only on (seed, step, micro-batch).
+                tch::manual_seed(
+                    mix64(s.seed ^ mix64(step * s.grad_accum as u64 + micro as u64)) as i64,
+                );
+                metrics.merge(&objective.run(&batch, Some(1.0 / s.grad_accum as f64))?);
+                tokens += batch.tokens;
+                micro += 1;
+            }
+            let grad_norm = clip_grad_norm(objective.params(), s.clip);
+            let lr = learning_rate(step, s.total_steps, s.warmup_steps, s.lr, s.min_lr_ratio);
+            optimizer.update(objective.params(), lr);
+            step += 1;
+            log_metrics(&mut writer, "train", &metrics, step);
+            writer.add_scalar("train/lr", lr as f32, step as usize);
+            writer.add_scalar("train/grad_norm", grad_norm as f32, step as usize);
+            let rate = tokens as f64 / start.elapsed().as_secs_f64().max(1e-9);
+            writer.add_scalar("train/tokens_per_s", rate as f32, step as usize);
+            bar.set_position(step);
+            bar.set_message(format!("{} | {rate:.0} tok/s", summary_line(&metrics)));
+            if step % s.save_every == 0 || step == s.total_steps {
+                checkpoint = Some(self.save(objective, &optimizer, step, stream.position)?);
+                abort_for_tests(step);
+            }
+        }
+        bar.finish();
+        writer.flush();
+        Ok(TrainSummary {
+            steps: step,
+            tokens,
+            seconds: start.elapsed().as_secs_f64(),
+            last_eval,
+            checkpoint,
+        })
+    }
+
+    /// Figures of `objective` over the whole held-out split.
+    pub fn evaluate(&self, objective: &mut dyn Objective) -> anyhow::Result<Metrics> {
+        evaluate(
+            self.features,
+            objective,
+            self.settings.batch_tokens,
+            self.device,
+        )
+    }
+
+    fn save(
+        &self,
+        objective: &dyn Objective,
+        optimizer: &AdamW,
+        step: u64,
+        position: DataPosition,
+    ) -> anyhow::Result<PathBuf> {
+        let weights: Vec<(String, tch::Tensor)> = objective
+            .params()
+            .iter()
+            .map(|(n, t)| (n.clone(), t.detach()))
+            .collect();
+        let state = TrainerState {
+            step,
+            position,
+            settings: self.settings.clone(),
+        };
+        let training = TrainingState {
+            optimizer: optimizer.state_tensors(),
+            trainer: serde_json::to_value(&state)?,
+        };
+        Ok(headway_checkpoints::save(
+            &self.out,
+            &(self.checkpoint_config)(step),
+            &weights,
+            Some(&training),
+        )?)
+    }
+
+    fn restore(
+        &self,
+        objective: &mut dyn Objective,
+        optimizer: &mut AdamW,
+    ) -> anyhow::Result<(u64, DataPosition)> {
+        let checkpoint = headway_checkpoints::load(&self.out).with_context(|| {
+            format!(
+                "--resume: no checkpoint to resume in {}",
+                self.out.display()
+            )
+        })?;
+        let (moments, state) = headway_checkpoints::load_training_state(&checkpoint.dir)?;
+        let state: TrainerState = serde_json::from_value(state).context("trainer_state.json")?;
+        anyhow::ensure!(
+            state.settings == self.settings,
+            "--resume: {} was trained with other settings ({:?}); resume with the same options",
+            checkpoint.dir.display(),
+            state.settings
+        );
+        objective.params_mut().load(&checkpoint.weights)?;
+        optimizer.load_state(&moments, state.step)?;
+        Ok((state.step, state.position))
+    }
+}
+
+/// Figures over the whole held-out split of `features`.
+pub fn evaluate(
+    features: &FeatureSet,
+    objective: &mut dyn Objective,
+    batch_tokens: usize,
+    device: Device,
+) -> anyhow::Result<Metrics> {
+    let mut stream = BatchStream::new(
+        features,
+        ShardSplit::HeldOut,
+        0,
+        false,
+        batch_tokens,
+        device,
+        DataPosition::default(),
+    )?;
+    let mut metrics = Metrics::default();
+    while let Some(batch) = stream.next_batch()? {
+        metrics.merge(&objective.evaluate(&batch)?);
+    }
+    Ok(metrics)
+}
+
+/// Test hook: `HEADWAY_TEST_ABORT_AFTER_STEP=N` aborts the process (as a kill would) right after
+/// the checkpoint of step N is saved.
+fn abort_for_tests(step: u64) {
+    if std::env::var("HEADWAY_TEST_ABORT_AFTER_STEP").is_ok_and(|n| n == step.to_string()) {
+        eprintln!("HEADWAY_TEST_ABORT_AFTER_STEP: aborting after step {step}");
+        std::process::abort();
+    }
+}
+
+fn log_metrics(writer: &mut SummaryWriter, prefix: &str, metrics: &Metrics, step: u64) {
+    for (name, value) in metrics.means() {
+        writer.add_scalar(&format!("{prefix}/{name}"), value as f32, step as usize);
+    }
+}
+
+/// `loss 1.234 top1 0.56 …` from the figures that matter most.
+pub fn summary_line(metrics: &Metrics) -> String {
+    metrics
+        .means()
+        .iter()
+        .filter(|(k, _)| k.as_str() == "loss" || k.ends_with("top1") || k.starts_with("alpha"))
+        .map(|(k, v)| format!("{k} {v:.3}"))
+        .collect::<Vec<_>>()
+        .join(" ")
+}
+
+fn progress_bar(total: u64, position: u64) -> ProgressBar {
+    let bar = ProgressBar::new(total).with_position(position);
+    bar.set_style(
+        ProgressStyle::with_template("training [{bar:30}] {pos}/{len} steps (ETA {eta}) {msg}")
+            .expect("valid progress template")
+            .progress_chars("=> "),
+    );
+    bar.reset_eta();
+    bar
+}
