@@ -117,7 +117,13 @@ impl Trainer<'_> {
             let rate = tokens as f64 / start.elapsed().as_secs_f64().max(1e-9);
             writer.add_scalar("train/tokens_per_s", rate as f32, step as usize);
             bar.set_position(step);
-            bar.set_message(format!("{} | {rate:.0} tok/s", summary_line(&metrics)));
+            let line = format!("{} | lr {lr:.2e} | {rate:.0} tok/s", summary_line(&metrics));
+            // Without a terminal the bar is hidden: log a line every tenth of the run instead.
+            if bar.is_hidden() && (step % s.total_steps.div_ceil(10) == 0 || step == s.total_steps)
+            {
+                eprintln!("step {step}/{}: {line}", s.total_steps);
+            }
+            bar.set_message(line);
             if step % s.save_every == 0 || step == s.total_steps {
                 checkpoint = Some(self.save(objective, &optimizer, step, stream.position)?);
                 abort_for_tests(step);
