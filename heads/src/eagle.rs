@@ -83,13 +83,13 @@ impl EagleHead {
 
     /// Assembles the head's modules from the current parameters. Call again after the parameters
     /// change (the decoder layer holds concatenations of them).
-    pub fn modules(&mut self) -> Result<EagleModules<'_>> {
+    pub fn modules(&self) -> Result<EagleModules<'_>> {
         let fc = Linear::new(
             self.params.get("fc.weight")?.shallow_clone(),
             Some(self.params.get("fc.bias")?.shallow_clone()),
         );
         let layer =
-            DecoderLayer::load_with(&mut self.params, LAYER_PREFIX, &self.config.layer, false)?;
+            DecoderLayer::load_with(&mut &self.params, LAYER_PREFIX, &self.config.layer, false)?;
         Ok(EagleModules {
             head: self,
             fc,
@@ -201,7 +201,7 @@ mod tests {
 
     #[test]
     fn every_parameter_learns_and_the_layer_has_no_input_norm() {
-        let mut head = head();
+        let head = head();
         assert!(head.params.get("layers.0.input_layernorm.weight").is_err());
         let h = head.config.layer.hidden_size as i64;
         let features = Tensor::randn([2, 6, h], (Kind::Float, Device::Cpu));
@@ -235,7 +235,7 @@ mod tests {
     #[test]
     fn cached_step_by_step_drafting_equals_one_causal_forward() {
         let _guard = tch::no_grad_guard();
-        let mut head = head();
+        let head = head();
         let h = head.config.layer.hidden_size as i64;
         let features = Tensor::randn([1, 5, h], (Kind::Float, Device::Cpu));
         let ids = Tensor::randint(50, [1, 5], (Kind::Int64, Device::Cpu));

@@ -81,7 +81,7 @@ impl Params {
 
 /// Hands the parameters to layers of the target runtime by name (the leaves themselves, so
 /// gradients reach them).
-impl WeightSource for Params {
+impl WeightSource for &Params {
     fn tensor(&mut self, name: &str, shape: &[i64]) -> headway_model::Result<Tensor> {
         let tensor = self
             .tensors

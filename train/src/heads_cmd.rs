@@ -77,6 +77,10 @@ pub struct TrainArgs {
     /// vocabulary (a smaller LM-head product per draft step).
     #[arg(long)]
     draft_vocab: Option<usize>,
+    /// Also write the run's figures (steps, tokens, seconds, tokens/s, held-out figures) to this
+    /// JSON file (scripts/bench_train_torch.py compares them with PyTorch).
+    #[arg(long)]
+    json: Option<PathBuf>,
 }
 
 #[derive(clap::Args)]
@@ -300,6 +304,19 @@ fn train(
             .map_or("(none)".into(), |p| p.display().to_string())
     );
     println!("held-out: {}", summary_line(&eval));
+    if let Some(path) = &args.json {
+        let figures = serde_json::json!({
+            "head": head.name(),
+            "steps": summary.steps,
+            "tokens": summary.tokens,
+            "seconds": summary.seconds,
+            "tokens_per_s": summary.tokens as f64 / summary.seconds.max(1e-9),
+            "parameters": objective.params().numel(),
+            "held_out": eval.means(),
+        });
+        std::fs::write(path, serde_json::to_string_pretty(&figures)? + "\n")
+            .with_context(|| format!("writing {}", path.display()))?;
+    }
     Ok(())
 }
 

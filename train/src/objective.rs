@@ -3,6 +3,7 @@
 
 use std::collections::BTreeMap;
 
+use headway_heads::eagle::EagleModules;
 use headway_heads::{DraftVocab, EagleHead, MedusaHeads, Params};
 use headway_model::mask::positions;
 use tch::{Kind, Reduction, Tensor};
@@ -153,20 +154,13 @@ pub struct EagleObjective {
     pub chain_steps: usize,
 }
 
-impl EagleObjective {
-    /// Predicted features for positions 1.. from input features for positions ..T-1.
-    fn predict(&mut self, inputs: &Tensor, batch: &Batch) -> anyhow::Result<Tensor> {
-        let (b, len) = (batch.ids.size()[0], batch.ids.size()[1]);
-        let next_ids = batch.ids.narrow(1, 1, len - 1);
-        let positions =
-            positions(0, (len - 1) as usize, batch.ids.device()).expand([b, len - 1], false);
-        let modules = self.head.modules()?;
-        Ok(modules.forward(inputs, &next_ids, &positions, None, None)?)
-    }
-
-    fn logits(&mut self, features: &Tensor) -> anyhow::Result<Tensor> {
-        Ok(self.head.modules()?.logits(features))
-    }
+/// Predicted features for positions 1.. from input features for positions ..T-1.
+fn predict(modules: &EagleModules, inputs: &Tensor, batch: &Batch) -> anyhow::Result<Tensor> {
+    let (b, len) = (batch.ids.size()[0], batch.ids.size()[1]);
+    let next_ids = batch.ids.narrow(1, 1, len - 1);
+    let positions =
+        positions(0, (len - 1) as usize, batch.ids.device()).expand([b, len - 1], false);
+    Ok(modules.forward(inputs, &next_ids, &positions, None, None)?)
 }
 
 impl Objective for EagleObjective {
@@ -188,7 +182,8 @@ impl Objective for EagleObjective {
         if backward_scale.is_some() && self.noise > 0.0 {
             inputs = &inputs + inputs.rand_like() * (2.0 * self.noise) - self.noise;
         }
-        let predicted = self.predict(&inputs, batch)?;
+        let modules = self.head.modules()?;
+        let predicted = predict(&modules, &inputs, batch)?;
         let target = batch.hidden.narrow(1, 1, len - 1);
         let valid = batch.loss_mask.narrow(1, 1, len - 1);
         let count = valid.sum(Kind::Int64).int64_value(&[]);
@@ -198,8 +193,8 @@ impl Objective for EagleObjective {
         let pick = |t: &Tensor| t.masked_select(&valid.unsqueeze(-1)).view([count, -1]);
         let (predicted, target) = (pick(&predicted), pick(&target));
         let regression = predicted.smooth_l1_loss(&target, Reduction::Mean, 1.0);
-        let predicted_logits = self.logits(&predicted)?;
-        let target_logits = tch::no_grad(|| self.logits(&target))?;
+        let predicted_logits = modules.logits(&predicted);
+        let target_logits = tch::no_grad(|| modules.logits(&target));
         let target_probs = target_logits.softmax(-1, Kind::Float);
         let classification = -(target_probs * predicted_logits.log_softmax(-1, Kind::Float))
             .sum_dim_intlist(-1, false, Kind::Float)
@@ -232,19 +227,25 @@ impl Objective for EagleObjective {
             return Ok(metrics);
         }
         let valid = batch.loss_mask.narrow(1, 1, len - 1);
-        let n = valid.sum(Kind::Float).double_value(&[]);
-        let greedy = self
-            .logits(&batch.hidden.narrow(1, 1, len - 1))?
+        let count = valid.sum(Kind::Int64).int64_value(&[]);
+        if count == 0 {
+            return Ok(metrics);
+        }
+        // Scored only where the loss is (assistant positions): the LM head is the costly part.
+        let pick = |t: &Tensor| t.masked_select(&valid.unsqueeze(-1)).view([count, -1]);
+        let modules = self.head.modules()?;
+        let greedy = modules
+            .logits(&pick(&batch.hidden.narrow(1, 1, len - 1)))
             .argmax(-1, false);
         let mut inputs = batch.hidden.narrow(1, 0, len - 1);
         for step in 1..=self.chain_steps {
-            let predicted = self.predict(&inputs, batch)?;
-            let drafted = self.logits(&predicted)?.argmax(-1, false);
+            let predicted = predict(&modules, &inputs, batch)?;
+            let drafted = modules.logits(&pick(&predicted)).argmax(-1, false);
             let hits = drafted
                 .eq_tensor(&greedy)
-                .logical_and(&valid)
                 .sum(Kind::Float)
                 .double_value(&[]);
+            let n = count as f64;
             metrics.add(&format!("alpha{step}"), hits, n);
             // Position i's next input is the head's prediction of f_i (its output at i − 1).
             inputs = Tensor::cat(
