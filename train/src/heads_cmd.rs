@@ -293,14 +293,19 @@ fn train(
         Some(eval) => eval,
         None => trainer.evaluate(objective)?,
     };
+    let training_seconds = summary.seconds - summary.checkpoint_seconds - summary.eval_seconds;
+    let tokens_per_s = summary.tokens as f64 / training_seconds.max(1e-9);
     println!(
-        "trained {} steps, {} tokens in {:.1} s ({:.0} tokens/s); checkpoint {}",
+        "trained {} steps, {} tokens in {:.1} s: {tokens_per_s:.0} tokens/s training ({:.1} s of \
+         checkpoint writes and {:.1} s of held-out evaluation not counted); checkpoint {}",
         summary.steps,
         summary.tokens,
         summary.seconds,
-        summary.tokens as f64 / summary.seconds.max(1e-9),
+        summary.checkpoint_seconds,
+        summary.eval_seconds,
         summary
             .checkpoint
+            .as_ref()
             .map_or("(none)".into(), |p| p.display().to_string())
     );
     println!("held-out: {}", summary_line(&eval));
@@ -310,7 +315,9 @@ fn train(
             "steps": summary.steps,
             "tokens": summary.tokens,
             "seconds": summary.seconds,
-            "tokens_per_s": summary.tokens as f64 / summary.seconds.max(1e-9),
+            "checkpoint_seconds": summary.checkpoint_seconds,
+            "eval_seconds": summary.eval_seconds,
+            "tokens_per_s": tokens_per_s,
             "parameters": objective.params().numel(),
             "held_out": eval.means(),
         });

@@ -72,13 +72,15 @@ fn to_draft(
     }
 }
 
-/// Top-1 and top-5 hits of `logits` `[n, vocab]` against `targets` `[n]`.
+/// Top-1 and top-5 hits of `logits` `[n, vocab]` against `targets` `[n]`: a target is in the top
+/// k when fewer than k logits exceed its own (one comparison pass, much cheaper than `topk`).
 fn top_hits(logits: &Tensor, targets: &Tensor) -> (f64, f64) {
-    let k = 5.min(logits.size()[1]);
-    let (_, top) = logits.topk(k, -1, true, true);
-    let hits = top.eq_tensor(&targets.unsqueeze(-1));
-    let top1 = hits.select(1, 0).sum(Kind::Float).double_value(&[]);
-    let top5 = hits.any_dim(1, false).sum(Kind::Float).double_value(&[]);
+    let own = logits.gather(1, &targets.unsqueeze(-1), false);
+    let rank = logits
+        .gt_tensor(&own)
+        .sum_dim_intlist(-1, false, Kind::Int64);
+    let top1 = rank.eq(0).sum(Kind::Float).double_value(&[]);
+    let top5 = rank.lt(5).sum(Kind::Float).double_value(&[]);
     (top1, top5)
 }
 
@@ -193,19 +195,25 @@ impl Objective for EagleObjective {
         let pick = |t: &Tensor| t.masked_select(&valid.unsqueeze(-1)).view([count, -1]);
         let (predicted, target) = (pick(&predicted), pick(&target));
         let regression = predicted.smooth_l1_loss(&target, Reduction::Mean, 1.0);
+        // Target side first, so its [n, vocab] logits are freed before the predicted side's.
+        let (target_probs, greedy) = tch::no_grad(|| {
+            let logits = modules.logits(&target);
+            (logits.softmax(-1, Kind::Float), logits.argmax(-1, false))
+        });
         let predicted_logits = modules.logits(&predicted);
-        let target_logits = tch::no_grad(|| modules.logits(&target));
-        let target_probs = target_logits.softmax(-1, Kind::Float);
-        let classification = -(target_probs * predicted_logits.log_softmax(-1, Kind::Float))
-            .sum_dim_intlist(-1, false, Kind::Float)
-            .mean(Kind::Float);
+        let (top1, top5) = tch::no_grad(|| top_hits(&predicted_logits, &greedy));
+        // Soft cross-entropy -Σ p log softmax(z) = logsumexp(z) - Σ p z (Σ p = 1): the same value
+        // and gradient without a [n, vocab] log-softmax tensor.
+        let classification = (predicted_logits.logsumexp([-1], false)
+            - (&target_probs * &predicted_logits).sum_dim_intlist(-1, false, Kind::Float))
+        .mean(Kind::Float);
+        drop(target_probs);
+        drop(predicted_logits);
         let loss = &regression + &classification * self.classification_weight;
         if let Some(scale) = backward_scale {
             (&loss * scale).backward();
         }
         let n = count as f64;
-        let greedy = target_logits.argmax(-1, false);
-        let (top1, top5) = tch::no_grad(|| top_hits(&predicted_logits, &greedy));
         metrics.add("loss", loss.double_value(&[]) * n, n);
         metrics.add("regression", regression.double_value(&[]) * n, n);
         metrics.add("classification", classification.double_value(&[]) * n, n);

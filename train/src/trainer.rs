@@ -55,7 +55,11 @@ pub struct Trainer<'a> {
 pub struct TrainSummary {
     pub steps: u64,
     pub tokens: usize,
+    /// Wall time of the training loop, checkpoint writes and epoch evaluations included.
     pub seconds: f64,
+    /// Of which writing checkpoints and evaluating the held-out split.
+    pub checkpoint_seconds: f64,
+    pub eval_seconds: f64,
     pub last_eval: Option<Metrics>,
     pub checkpoint: Option<PathBuf>,
 }
@@ -84,12 +88,15 @@ impl Trainer<'_> {
         let bar = progress_bar(s.total_steps, step);
         let start = Instant::now();
         let (mut tokens, mut last_eval, mut checkpoint) = (0usize, None, None);
+        let (mut checkpoint_seconds, mut eval_seconds) = (0.0, 0.0);
         while step < s.total_steps {
             let mut metrics = Metrics::default();
             let mut micro = 0;
             while micro < s.grad_accum {
                 let Some(batch) = stream.next_batch()? else {
+                    let eval_start = Instant::now();
                     let eval = self.evaluate(objective)?;
+                    eval_seconds += eval_start.elapsed().as_secs_f64();
                     log_metrics(&mut writer, "eval", &eval, step);
                     bar.println(format!(
                         "epoch {} done at step {step}: held-out {}",
@@ -114,7 +121,9 @@ impl Trainer<'_> {
             log_metrics(&mut writer, "train", &metrics, step);
             writer.add_scalar("train/lr", lr as f32, step as usize);
             writer.add_scalar("train/grad_norm", grad_norm as f32, step as usize);
-            let rate = tokens as f64 / start.elapsed().as_secs_f64().max(1e-9);
+            let training_seconds =
+                start.elapsed().as_secs_f64() - checkpoint_seconds - eval_seconds;
+            let rate = tokens as f64 / training_seconds.max(1e-9);
             writer.add_scalar("train/tokens_per_s", rate as f32, step as usize);
             bar.set_position(step);
             let line = format!("{} | lr {lr:.2e} | {rate:.0} tok/s", summary_line(&metrics));
@@ -125,7 +134,9 @@ impl Trainer<'_> {
             }
             bar.set_message(line);
             if step % s.save_every == 0 || step == s.total_steps {
+                let save_start = Instant::now();
                 checkpoint = Some(self.save(objective, &optimizer, step, stream.position)?);
+                checkpoint_seconds += save_start.elapsed().as_secs_f64();
                 abort_for_tests(step);
             }
         }
@@ -135,6 +146,8 @@ impl Trainer<'_> {
             steps: step,
             tokens,
             seconds: start.elapsed().as_secs_f64(),
+            checkpoint_seconds,
+            eval_seconds,
             last_eval,
             checkpoint,
         })
