@@ -22,7 +22,7 @@ export HEADWAY_HOME
 export CARGO_TARGET_DIR ?= $(HEADWAY_HOME)/target
 BIN := $(CARGO_TARGET_DIR)/release
 
-.PHONY: demo test build venv model data ref-env fixtures bench bench-prepare clean-cache
+.PHONY: demo test build venv model data ref-env fixtures bench bench-prepare bench-train clean-cache
 
 demo: model build
 	$(BIN)/headway-serve generate --chat --max-new-tokens 128 \
@@ -79,6 +79,18 @@ bench-prepare: model data build ref-env
 		--out $(PREPARE_BENCH_DIR) --json bench-prepare.json
 	$(PYTHON) scripts/bench_prepare_torch.py --threads 2 --features $(PREPARE_BENCH_DIR) \
 		--headway-json bench-prepare.json --json bench-prepare-torch.json
+
+# Head-training throughput against the same head, loss and batches in PyTorch (uses the features
+# that bench-prepare leaves in PREPARE_BENCH_DIR).
+bench-train: build ref-env
+	$(BIN)/headway-train eagle --features $(PREPARE_BENCH_DIR) --out $(PREPARE_BENCH_DIR)-eagle \
+		--steps 8 --save-every 1000 --threads 2 --json bench-train-eagle.json
+	$(PYTHON) scripts/bench_train_torch.py --head eagle --features $(PREPARE_BENCH_DIR) --steps 8 \
+		--headway-json bench-train-eagle.json
+	$(BIN)/headway-train medusa --features $(PREPARE_BENCH_DIR) --out $(PREPARE_BENCH_DIR)-medusa \
+		--steps 8 --save-every 1000 --threads 2 --draft-vocab 8192 --json bench-train-medusa.json
+	$(PYTHON) scripts/bench_train_torch.py --head medusa --draft-vocab 8192 --features $(PREPARE_BENCH_DIR) \
+		--steps 8 --headway-json bench-train-medusa.json
 
 clean-cache:
 	rm -rf $(VENV) $(HEADWAY_HOME)/models $(CARGO_TARGET_DIR)
