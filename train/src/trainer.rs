@@ -98,11 +98,17 @@ impl Trainer<'_> {
                     let eval = self.evaluate(objective)?;
                     eval_seconds += eval_start.elapsed().as_secs_f64();
                     log_metrics(&mut writer, "eval", &eval, step);
-                    bar.println(format!(
+                    let line = format!(
                         "epoch {} done at step {step}: held-out {}",
                         stream.position.epoch,
                         summary_line(&eval)
-                    ));
+                    );
+                    // A hidden bar (no terminal) drops println: write the line directly.
+                    if bar.is_hidden() {
+                        eprintln!("{line}");
+                    } else {
+                        bar.println(line);
+                    }
                     last_eval = Some(eval);
                     continue;
                 };
