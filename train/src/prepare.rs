@@ -203,6 +203,8 @@ struct Progress {
     abort_after: Option<usize>,
     shards_written: usize,
     regenerated_tokens: usize,
+    /// Tokens extracted in this run (the bar's position also counts shards kept from before).
+    extracted_tokens: usize,
 }
 
 impl Progress {
@@ -219,6 +221,7 @@ impl Progress {
             abort_after,
             shards_written: 0,
             regenerated_tokens: 0,
+            extracted_tokens: 0,
         })
     }
 
@@ -244,8 +247,9 @@ impl Progress {
 impl PrepareObserver for Progress {
     fn message(&mut self, text: &str) {
         match &self.bar {
-            Some(bar) => bar.println(text),
-            None => eprintln!("{text}"),
+            Some(bar) if !bar.is_hidden() => bar.println(text),
+            // A hidden bar (no terminal) drops println.
+            _ => eprintln!("{text}"),
         }
     }
 
@@ -282,20 +286,28 @@ impl PrepareObserver for Progress {
         self.start_bar(
             plan.tokens as u64,
             plan.done_tokens as u64,
-            "extracting [{bar:30}] {human_pos}/{human_len} tokens ({per_sec}, ETA {eta}) {msg}",
+            "extracting [{bar:30}] {human_pos}/{human_len} tokens ({msg}, ETA {eta})",
         );
     }
 
     fn batch_extracted(&mut self, _sequences: usize, tokens: usize) {
+        self.extracted_tokens += tokens;
         if let Some(bar) = &self.bar {
             bar.inc(tokens as u64);
+            let rate = self.extracted_tokens as f64 / bar.elapsed().as_secs_f64().max(1e-9);
+            bar.set_message(format!(
+                "{rate:.0} tokens/s, {} shard(s) written",
+                self.shards_written
+            ));
         }
     }
 
     fn shard_written(&mut self, entry: &ShardEntry) {
         self.shards_written += 1;
-        if let Some(bar) = &self.bar {
-            bar.set_message(format!("{} written", entry.file));
+        match &self.bar {
+            Some(bar) if !bar.is_hidden() => bar.set_message(format!("{} written", entry.file)),
+            // No terminal: a line per shard instead of the bar.
+            _ => eprintln!("{} written", entry.file),
         }
         if self.abort_after == Some(self.shards_written) {
             eprintln!(
