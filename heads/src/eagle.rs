@@ -149,8 +149,9 @@ impl EagleModules<'_> {
     }
 }
 
-/// Names and shapes of the head's parameters (EAGLE repository layout).
-fn parameter_shapes(c: &ModelConfig) -> Vec<(String, Vec<i64>)> {
+/// Names and shapes of the parameters of an EAGLE head for a target with config `c` (EAGLE
+/// repository layout).
+pub fn parameter_shapes(c: &ModelConfig) -> Vec<(String, Vec<i64>)> {
     let (h, i) = (c.hidden_size as i64, c.intermediate_size as i64);
     let q = (c.num_attention_heads * c.head_dim) as i64;
     let kv = (c.num_key_value_heads * c.head_dim) as i64;

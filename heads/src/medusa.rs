@@ -26,6 +26,24 @@ pub struct MedusaConfig {
     pub shared_lm_head: bool,
 }
 
+impl MedusaConfig {
+    /// Names and shapes of the heads' parameters (Medusa repository layout).
+    pub fn parameter_shapes(&self) -> Vec<(String, Vec<i64>)> {
+        let (v, h) = (self.vocab_size as i64, self.hidden_size as i64);
+        let mut shapes = Vec::new();
+        for k in 0..self.num_heads {
+            for l in 0..self.num_layers {
+                shapes.push((format!("{k}.{l}.linear.weight"), vec![h, h]));
+                shapes.push((format!("{k}.{l}.linear.bias"), vec![h]));
+            }
+            if !self.shared_lm_head {
+                shapes.push((format!("{k}.{}.weight", self.num_layers), vec![v, h]));
+            }
+        }
+        shapes
+    }
+}
+
 pub struct MedusaHeads {
     pub config: MedusaConfig,
     pub params: Params,

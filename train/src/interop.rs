@@ -179,6 +179,38 @@ fn read_tensors(path: &Path) -> anyhow::Result<BTreeMap<String, Tensor>> {
         .collect())
 }
 
+/// Exactly the `expected` tensors with their shapes, or an error naming the first that differs.
+fn check_tensors(
+    from: &Path,
+    weights: &BTreeMap<String, Tensor>,
+    expected: &[(String, Vec<i64>)],
+) -> anyhow::Result<()> {
+    for (name, shape) in expected {
+        let found = weights.get(name).with_context(|| {
+            format!(
+                "{}: tensor {name} is missing (a head for another target or format?)",
+                from.display()
+            )
+        })?;
+        anyhow::ensure!(
+            found.size() == *shape,
+            "{}: tensor {name} has shape {:?}, this target's head needs {shape:?}",
+            from.display(),
+            found.size()
+        );
+    }
+    if let Some(extra) = weights
+        .keys()
+        .find(|k| !expected.iter().any(|(n, _)| n == *k))
+    {
+        anyhow::bail!(
+            "{}: unexpected tensor {extra} for this head",
+            from.display()
+        );
+    }
+    Ok(())
+}
+
 pub fn run_import(args: ImportArgs) -> anyhow::Result<()> {
     let target = target_dir(&args.target);
     let target_config = ModelConfig::from_dir(&target)?;
@@ -231,6 +263,11 @@ pub fn run_import(args: ImportArgs) -> anyhow::Result<()> {
             (HeadKind::Eagle, weights, draft_vocab)
         }
     };
+    let expected = match &head {
+        HeadKind::Medusa(medusa) => medusa.parameter_shapes(),
+        HeadKind::Eagle => headway_heads::eagle::parameter_shapes(&target_config),
+    };
+    check_tensors(&args.from, &weights, &expected)?;
     for tensor in weights.values_mut() {
         *tensor = tensor.to_kind(Kind::Float);
     }
