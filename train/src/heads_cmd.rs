@@ -9,7 +9,6 @@ use headway_datasets::features::{FeatureSet, ShardSplit};
 use headway_heads::{DraftVocab, EagleConfig, EagleHead, MedusaConfig, MedusaHeads};
 use headway_model::fingerprint::target_fingerprint;
 use headway_model::linear::{set_cpu_workload, CpuWorkload};
-use headway_model::target::DtypeArg;
 use headway_model::{Target, TargetArgs};
 use tch::{Kind, Tensor};
 
@@ -27,16 +26,9 @@ pub struct TrainArgs {
     /// Output directory: checkpoints `step-N/`, `latest`, and tensorboard logs in `logs/`.
     #[arg(long)]
     out: PathBuf,
-    /// The target the features came from (checked by fingerprint). Default: the embedded
-    /// SmolLM2-135M-Instruct.
-    #[arg(long, env = "HEADWAY_TARGET")]
-    target: Option<PathBuf>,
-    /// Where to train: cpu, cuda or cuda:N.
-    #[arg(long, default_value = "cpu")]
-    device: String,
-    /// CPU threads (0: one per core).
-    #[arg(long, default_value_t = 0)]
-    threads: usize,
+    /// The target the features came from (checked by fingerprint) and where to train.
+    #[command(flatten)]
+    target: TargetArgs,
     /// Optimizer updates to run (overrides --epochs).
     #[arg(long)]
     steps: Option<u64>,
@@ -121,12 +113,10 @@ pub struct EvalArgs {
     /// Feature directory whose held-out split to evaluate on.
     #[arg(long)]
     features: PathBuf,
-    #[arg(long, env = "HEADWAY_TARGET")]
-    target: Option<PathBuf>,
-    #[arg(long, default_value = "cpu")]
-    device: String,
-    #[arg(long, default_value_t = 0)]
-    threads: usize,
+    /// The target the head was trained on and where to run it.
+    #[command(flatten)]
+    target: TargetArgs,
+    /// Padded tokens per evaluation batch.
     #[arg(long, default_value_t = 2048)]
     batch_tokens: usize,
 }
@@ -138,18 +128,7 @@ struct Setup {
     fingerprint: String,
 }
 
-fn setup(
-    target: &Option<PathBuf>,
-    device: &str,
-    threads: usize,
-    features: &Path,
-) -> anyhow::Result<Setup> {
-    let args = TargetArgs {
-        target: target.clone(),
-        device: device.to_string(),
-        dtype: DtypeArg::F32,
-        threads,
-    };
+fn setup(args: &TargetArgs, features: &Path) -> anyhow::Result<Setup> {
     let target = args
         .load()
         .with_context(|| format!("loading target {}", args.dir().display()))?;
@@ -328,12 +307,7 @@ fn train(
 }
 
 pub fn run_medusa(args: MedusaArgs) -> anyhow::Result<()> {
-    let setup = setup(
-        &args.common.target,
-        &args.common.device,
-        args.common.threads,
-        &args.common.features,
-    )?;
+    let setup = setup(&args.common.target, &args.common.features)?;
     let draft = draft_vocab(&setup, args.common.draft_vocab)?;
     let lm_head = lm_head_rows(&setup.target, draft.as_ref());
     let config = MedusaConfig {
@@ -359,12 +333,7 @@ pub fn run_medusa(args: MedusaArgs) -> anyhow::Result<()> {
 }
 
 pub fn run_eagle(args: EagleArgs) -> anyhow::Result<()> {
-    let setup = setup(
-        &args.common.target,
-        &args.common.device,
-        args.common.threads,
-        &args.common.features,
-    )?;
+    let setup = setup(&args.common.target, &args.common.features)?;
     let draft = draft_vocab(&setup, args.common.draft_vocab)?;
     tch::manual_seed(args.common.seed as i64);
     let head = EagleHead::new(
@@ -388,7 +357,7 @@ pub fn run_eagle(args: EagleArgs) -> anyhow::Result<()> {
 }
 
 pub fn run_eval(args: EvalArgs) -> anyhow::Result<()> {
-    let setup = setup(&args.target, &args.device, args.threads, &args.features)?;
+    let setup = setup(&args.target, &args.features)?;
     let checkpoint = headway_checkpoints::load(&args.heads)?;
     checkpoint.check_target(&setup.fingerprint)?;
     let draft = checkpoint
