@@ -13,11 +13,13 @@
 //! A checkpoint is written into a temporary directory and renamed into place, then `latest` is
 //! replaced atomically, so a kill at any moment leaves `latest` pointing at a complete checkpoint.
 
+pub mod head;
+
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
 use headway_heads::MedusaConfig;
-use headway_model::files::write_atomically;
+use headway_model::files::write_bytes_atomically;
 use headway_model::fingerprint::bytes_sha256;
 use headway_model::safetensors_io::{from_safetensors_bytes, to_safetensors_bytes};
 use headway_model::ModelError;
@@ -48,6 +50,8 @@ pub enum CheckpointError {
     #[error(transparent)]
     Model(#[from] ModelError),
 }
+
+pub use head::{load_head, DraftHead, LoadedHead};
 
 pub type Result<T, E = CheckpointError> = std::result::Result<T, E>;
 
@@ -155,11 +159,7 @@ pub fn save(
     }
     let temp_path = temp.keep();
     std::fs::rename(&temp_path, &final_dir).map_err(|e| ModelError::io(&final_dir, e))?;
-    write_atomically(&out.join(LATEST_FILE), |file, path| {
-        use std::io::Write;
-        file.write_all(name.as_bytes())
-            .map_err(|e| ModelError::io(path, e))
-    })?;
+    write_bytes_atomically(&out.join(LATEST_FILE), name.as_bytes())?;
     Ok(final_dir)
 }
 

@@ -56,6 +56,16 @@ impl DraftVocab {
             .view_as(target_ids)
     }
 
+    /// The rows of the target's LM head `weight` (`[vocab, hidden]`) that this vocabulary drafts
+    /// over, as f32.
+    pub fn lm_head_rows(draft: Option<&Self>, weight: &Tensor) -> Tensor {
+        let weight = weight.to_kind(Kind::Float);
+        match draft {
+            Some(d) => weight.index_select(0, &d.index(weight.device())),
+            None => weight,
+        }
+    }
+
     /// Fraction of the counted tokens the vocabulary covers.
     pub fn coverage(&self, counts: &[u64]) -> f64 {
         let total: u64 = counts.iter().sum();

@@ -42,6 +42,14 @@ impl Params {
         self.tensors.is_empty()
     }
 
+    /// Stops tracking gradients (serving): layers built from frozen parameters take the
+    /// runtime's inference path.
+    pub fn freeze(&mut self) {
+        for leaf in self.tensors.values_mut() {
+            *leaf = leaf.detach();
+        }
+    }
+
     /// Number of scalars.
     pub fn numel(&self) -> usize {
         self.tensors.values().map(Tensor::numel).sum()

@@ -40,6 +40,14 @@ pub fn write_atomically(
     Ok(len)
 }
 
+/// [`write_atomically`] for bytes already in memory.
+pub fn write_bytes_atomically(path: &Path, bytes: &[u8]) -> Result<u64> {
+    write_atomically(path, |file, temp| {
+        use std::io::Write;
+        file.write_all(bytes).map_err(|e| ModelError::io(temp, e))
+    })
+}
+
 /// Removes the temporary files that [`write_atomically`] leaves in `dir` when the process is killed
 /// mid-write (`.<name>.<random>.tmp`); returns how many were removed.
 pub fn remove_stale_temp_files(dir: &Path) -> Result<usize> {

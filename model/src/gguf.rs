@@ -26,7 +26,7 @@ use std::path::{Path, PathBuf};
 
 use serde::Serialize;
 
-use crate::files::write_atomically;
+use crate::files::{write_atomically, write_bytes_atomically};
 use crate::{ModelError, Result};
 use file::GgufFile;
 use hf_config::GgufArchitecture;
@@ -127,10 +127,7 @@ fn write_outputs(
     .map(|name| out_dir.join(name));
     let config_bytes = write_json(&config_path, config)?;
     let tokenizer_config_bytes = write_json(&tokenizer_config_path, &tokenizer.config)?;
-    let tokenizer_bytes = write_atomically(&tokenizer_path, |out, _| {
-        out.write_all(tokenizer_json.as_bytes())
-            .map_err(|e| ModelError::io(&tokenizer_path, e))
-    })?;
+    let tokenizer_bytes = write_bytes_atomically(&tokenizer_path, tokenizer_json.as_bytes())?;
     check_tokenizer_reloads(&tokenizer_path, &tokenizer_json)?;
     let weights_bytes = write_safetensors(&weights_path, tensors, source)?;
     Ok(vec![

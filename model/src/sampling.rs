@@ -141,7 +141,18 @@ impl Sampler {
     pub fn sample(&mut self, probs: &Tensor) -> u32 {
         let probs = Vec::<f32>::try_from(probs.to_device(tch::Device::Cpu))
             .expect("a 1-D f32 tensor converts to Vec<f32>");
-        sample_index(&probs, self.rng.random::<f64>())
+        self.sample_slice(&probs)
+    }
+
+    /// Draws one index from `probs` (non-negative; need not be normalised exactly).
+    pub fn sample_slice(&mut self, probs: &[f32]) -> u32 {
+        let total: f64 = probs.iter().map(|&p| p as f64).sum();
+        sample_index(probs, self.uniform() * total)
+    }
+
+    /// A uniform draw in [0, 1) from the sampler's RNG (acceptance tests of speculative decoding).
+    pub fn uniform(&mut self) -> f64 {
+        self.rng.random::<f64>()
     }
 }
 

@@ -1,18 +1,21 @@
-//! `headway-serve bench`: decoding speed over Spec-Bench prompts.
+//! `headway-serve bench`: decoding methods measured the way Spec-Bench does.
 //!
-//! Prompt selection is shared with `scripts/bench_transformers.py` so both measure the same
-//! work: `--prompts N` takes the first turn of every (480 / N)-th question, i.e. one per block of
-//! the file (the file is grouped by category), rendered with the target's chat template.
+//! Every question is asked turn by turn: the second turn's prompt holds the model's own first
+//! answer. τ counts every new token per target forward, the bonus token and the prompt forward's
+//! token included, so plain decoding has τ = 1. Speedups compare with `ar` measured in the same
+//! run on the same prompts.
 
+use std::collections::BTreeMap;
 use std::io::BufRead;
 use std::path::Path;
 
-use headway_model::{Message, Target};
+use headway_model::{Message, Sampler, SamplingParams, Target};
 use serde::{Deserialize, Serialize};
 
+use crate::acceptance::Acceptance;
+use crate::drafters::Drafter;
+use crate::engine::{generate_speculative, SpecGeneration};
 use crate::error::{Result, ServeError};
-use headway_model::generate;
-use headway_model::{Sampler, SamplingParams};
 
 /// One Spec-Bench row.
 #[derive(Debug, Clone, Deserialize)]
@@ -44,7 +47,8 @@ pub fn load_questions(path: &Path) -> Result<Vec<Question>> {
     Ok(questions)
 }
 
-/// `count` questions evenly spaced through the file (every `len / count`-th, starting at 0).
+/// `count` questions evenly spaced through the file (every `len / count`-th, starting at 0), so
+/// a subset still covers every category of the category-ordered file.
 pub fn spread(questions: &[Question], count: usize) -> Vec<Question> {
     if count == 0 || questions.is_empty() {
         return Vec::new();
@@ -58,100 +62,411 @@ pub fn spread(questions: &[Question], count: usize) -> Vec<Question> {
         .collect()
 }
 
-/// Figures for one prompt.
-#[derive(Debug, Clone, Serialize)]
+/// Figures for one prompt (one turn of one question).
+#[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct PromptResult {
     pub question_id: u64,
     pub category: String,
+    /// 0 for the first turn.
+    pub turn: usize,
     pub prompt_tokens: usize,
     pub new_tokens: usize,
     /// Seconds from the start to the last token, prompt forward included.
     pub seconds: f64,
     /// Seconds of the prompt forward (time to first token).
     pub prefill_seconds: f64,
+    /// Target forwards, the prompt's included.
+    pub target_forwards: usize,
+    /// Draft tokens the target accepted, over all steps.
+    pub accepted_tokens: usize,
     pub text: String,
     pub token_ids: Vec<u32>,
 }
 
-/// Totals over all prompts. `tokens_per_s` = all new tokens / all generation seconds (prompt
-/// forwards included, as transformers' `generate()` is timed); `decode_tokens_per_s` leaves the
-/// prompt forwards out (tokens after the first / seconds after the first).
-#[derive(Debug, Clone, Serialize)]
-pub struct BenchReport {
-    pub method: String,
-    pub target: String,
-    pub device: String,
-    pub dtype: String,
-    /// CPU inference threads (see `headway_model::linear`).
-    pub threads: usize,
+/// Totals over a set of prompts.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct Summary {
     pub prompts: usize,
-    pub max_new_tokens: usize,
     pub new_tokens: usize,
     pub seconds: f64,
     pub tokens_per_s: f64,
-    pub prefill_seconds: f64,
-    pub decode_tokens_per_s: f64,
+    /// New tokens per target forward (plain decoding: 1.0).
+    pub tau: f64,
+    /// Accepted draft tokens per verification step.
+    pub mean_accepted: f64,
+}
+
+impl Summary {
+    fn of<'a>(results: impl IntoIterator<Item = &'a PromptResult>) -> Self {
+        let (mut prompts, mut tokens, mut seconds, mut forwards, mut accepted) = (0, 0, 0.0, 0, 0);
+        for r in results {
+            prompts += 1;
+            tokens += r.new_tokens;
+            seconds += r.seconds;
+            forwards += r.target_forwards;
+            accepted += r.accepted_tokens;
+        }
+        let steps = forwards.saturating_sub(prompts);
+        Self {
+            prompts,
+            new_tokens: tokens,
+            seconds,
+            tokens_per_s: tokens as f64 / seconds.max(f64::MIN_POSITIVE),
+            tau: tokens as f64 / forwards.max(1) as f64,
+            mean_accepted: accepted as f64 / steps.max(1) as f64,
+        }
+    }
+}
+
+/// Per-depth acceptance: of the steps whose tree reached depth d and whose path got to depth
+/// d − 1, the fraction that accepted a token at depth d.
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+pub struct DepthStats {
+    pub reached: Vec<usize>,
+    pub accepted: Vec<usize>,
+}
+
+impl DepthStats {
+    fn add(&mut self, tree_depth: usize, accepted: usize) {
+        if self.reached.len() < tree_depth {
+            self.reached.resize(tree_depth, 0);
+            self.accepted.resize(tree_depth, 0);
+        }
+        for d in 1..=tree_depth.min(accepted + 1) {
+            self.reached[d - 1] += 1;
+            if accepted >= d {
+                self.accepted[d - 1] += 1;
+            }
+        }
+    }
+
+    /// α_d for d = 1, 2, …
+    pub fn rates(&self) -> Vec<f64> {
+        self.reached
+            .iter()
+            .zip(&self.accepted)
+            .map(|(&r, &a)| a as f64 / r.max(1) as f64)
+            .collect()
+    }
+
+    /// All depths pooled: the per-token acceptance rate α of the speedup formula.
+    pub fn pooled(&self) -> f64 {
+        self.accepted.iter().sum::<usize>() as f64
+            / self.reached.iter().sum::<usize>().max(1) as f64
+    }
+}
+
+/// One method's run over the prompts.
+#[derive(Debug, Clone)]
+pub struct MethodRun {
+    pub results: Vec<PromptResult>,
+    pub depths: DepthStats,
+    /// Seconds spent drafting and verifying, over all steps; verification steps; mean tree depth.
+    pub draft_seconds: f64,
+    pub verify_seconds: f64,
+    pub steps: usize,
+    pub mean_tree_depth: f64,
+}
+
+/// Options of a run.
+#[derive(Debug, Clone, Copy)]
+pub struct BenchOptions {
+    pub max_new_tokens: usize,
+    /// Turns asked per question (Spec-Bench's multi-turn rows have 2).
+    pub turns: usize,
+    pub sampling: SamplingParams,
+    pub acceptance: Acceptance,
+}
+
+/// Runs every question turn by turn with `drafter` (one untimed warm-up generation first).
+pub fn run_method(
+    target: &Target,
+    drafter: &mut dyn Drafter,
+    questions: &[Question],
+    options: &BenchOptions,
+    mut progress: impl FnMut(&PromptResult),
+) -> Result<MethodRun> {
+    if let Some(first) = questions.first() {
+        let ids = prompt_ids(target, &[Message::new("user", &first.turns[0])])?;
+        let mut sampler = Sampler::new(options.sampling);
+        generate_speculative(
+            target,
+            drafter,
+            &ids,
+            8,
+            options.acceptance,
+            &mut sampler,
+            &mut |_| {},
+        )?;
+    }
+    let mut run = MethodRun {
+        results: Vec::new(),
+        depths: DepthStats::default(),
+        draft_seconds: 0.0,
+        verify_seconds: 0.0,
+        steps: 0,
+        mean_tree_depth: 0.0,
+    };
+    let mut depth_sum = 0;
+    for question in questions {
+        let mut messages = Vec::new();
+        for (turn, text) in question.turns.iter().take(options.turns).enumerate() {
+            messages.push(Message::new("user", text));
+            let ids = prompt_ids(target, &messages)?;
+            // The same seed for a prompt whatever the method, so sampled runs stay comparable.
+            let mut sampler = Sampler::new(SamplingParams {
+                seed: options.sampling.seed ^ (question.question_id << 8 | turn as u64),
+                ..options.sampling
+            });
+            let out = generate_speculative(
+                target,
+                drafter,
+                &ids,
+                options.max_new_tokens,
+                options.acceptance,
+                &mut sampler,
+                &mut |_| {},
+            )?;
+            for step in &out.steps {
+                run.depths.add(step.tree_depth, step.accepted());
+                run.draft_seconds += step.draft_seconds;
+                run.verify_seconds += step.verify_seconds;
+                depth_sum += step.tree_depth;
+            }
+            run.steps += out.steps.len();
+            let result = prompt_result(question, turn, ids.len(), &out);
+            messages.push(Message::new("assistant", &result.text));
+            progress(&result);
+            run.results.push(result);
+        }
+    }
+    run.mean_tree_depth = depth_sum as f64 / run.steps.max(1) as f64;
+    Ok(run)
+}
+
+fn prompt_ids(target: &Target, messages: &[Message]) -> Result<Vec<u32>> {
+    let text = target.chat_prompt(messages)?;
+    Ok(target.tokenizer.encode(&text, false)?)
+}
+
+fn prompt_result(
+    question: &Question,
+    turn: usize,
+    prompt_tokens: usize,
+    out: &SpecGeneration,
+) -> PromptResult {
+    let generation = &out.generation;
+    PromptResult {
+        question_id: question.question_id,
+        category: question.category.clone(),
+        turn,
+        prompt_tokens,
+        new_tokens: generation.tokens.len(),
+        seconds: generation.seconds,
+        prefill_seconds: generation.prefill_seconds,
+        target_forwards: out.steps.len() + 1,
+        accepted_tokens: out.steps.iter().map(|s| s.accepted()).sum(),
+        text: generation.text.clone(),
+        token_ids: generation.tokens.clone(),
+    }
+}
+
+/// A category's (or the whole run's) figures beside `ar`'s.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct Comparison {
+    #[serde(flatten)]
+    pub method: Summary,
+    pub ar: Option<Summary>,
+    pub speedup_vs_ar: Option<f64>,
+}
+
+impl Comparison {
+    fn of(method: Summary, ar: Option<Summary>) -> Self {
+        let speedup_vs_ar = ar.as_ref().map(|a| method.tokens_per_s / a.tokens_per_s);
+        Self {
+            method,
+            ar,
+            speedup_vs_ar,
+        }
+    }
+}
+
+/// The JSON report of `bench`.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct BenchReport {
+    pub method: String,
+    /// Run settings: target, heads, device, dtype, threads, sampling, tree.
+    pub settings: serde_json::Value,
+    pub tau: f64,
+    pub tokens_per_s: f64,
+    pub speedup_vs_ar: Option<f64>,
+    /// The expected-speedup formula with the run's pooled α, mean tree depth and draft cost.
+    pub predicted_speedup: Option<f64>,
+    /// α_d for depths 1, 2, …
+    pub per_depth_acceptance: Vec<f64>,
+    pub overall: Comparison,
+    pub per_category: BTreeMap<String, Comparison>,
     pub per_prompt: Vec<PromptResult>,
 }
 
-/// Plain decoding (`ar`) of the first turn of each question; one untimed warm-up generation first
-/// so one-off allocations do not count.
-pub fn bench_autoregressive(
-    target: &Target,
-    questions: &[Question],
-    max_new_tokens: usize,
-    sampling: SamplingParams,
-    mut progress: impl FnMut(&PromptResult),
-) -> Result<BenchReport> {
-    let prompts: Vec<Vec<u32>> = questions
+/// Builds the report of `run`, compared with `ar` when given.
+pub fn report(
+    method: &str,
+    settings: serde_json::Value,
+    run: &MethodRun,
+    ar: Option<&MethodRun>,
+) -> BenchReport {
+    let mut categories: BTreeMap<&str, (Vec<&PromptResult>, Vec<&PromptResult>)> = BTreeMap::new();
+    for r in &run.results {
+        categories.entry(&r.category).or_default().0.push(r);
+    }
+    for r in ar.iter().flat_map(|a| &a.results) {
+        categories.entry(&r.category).or_default().1.push(r);
+    }
+    let ar_summary = |rows: &[&PromptResult]| ar.map(|_| Summary::of(rows.iter().copied()));
+    let per_category = categories
         .iter()
-        .map(|q| {
-            let text = target.chat_prompt(&[Message::new("user", &q.turns[0])])?;
-            Ok(target.tokenizer.encode(&text, false)?)
+        .map(|(name, (rows, ar_rows))| {
+            let summary = Summary::of(rows.iter().copied());
+            (
+                name.to_string(),
+                Comparison::of(summary, ar_summary(ar_rows)),
+            )
         })
-        .collect::<Result<_>>()?;
-    if let Some(first) = prompts.first() {
-        generate(target, first, 8, &mut Sampler::new(sampling), &mut |_| {})?;
+        .collect();
+    let overall = Comparison::of(
+        Summary::of(&run.results),
+        ar.map(|a| Summary::of(&a.results)),
+    );
+    BenchReport {
+        method: method.to_string(),
+        settings,
+        tau: overall.method.tau,
+        tokens_per_s: overall.method.tokens_per_s,
+        speedup_vs_ar: overall.speedup_vs_ar,
+        predicted_speedup: ar.map(|a| predicted_speedup(run, a)),
+        per_depth_acceptance: run.depths.rates(),
+        overall,
+        per_category,
+        per_prompt: run.results.clone(),
     }
-    let mut per_prompt = Vec::with_capacity(questions.len());
-    for (question, prompt) in questions.iter().zip(&prompts) {
-        let out = generate(
-            target,
-            prompt,
-            max_new_tokens,
-            &mut Sampler::new(sampling),
-            &mut |_| {},
-        )?;
-        let result = PromptResult {
-            question_id: question.question_id,
-            category: question.category.clone(),
-            prompt_tokens: prompt.len(),
-            new_tokens: out.tokens.len(),
-            seconds: out.seconds,
-            prefill_seconds: out.prefill_seconds,
-            text: out.text,
-            token_ids: out.tokens,
-        };
-        progress(&result);
-        per_prompt.push(result);
+}
+
+/// ((1 − α^(k+1)) / (1 − α)) / (1 + k·c_draft/c_target): α pooled over depths, k the mean tree
+/// depth, c_draft the drafting time per depth, c_target `ar`'s time per forward. The formula
+/// assumes verifying a tree costs one plain forward, true on a GPU and not on a CPU: the gap to
+/// the measured speedup is the cost of verifying wide trees on this device.
+pub fn predicted_speedup(run: &MethodRun, ar: &MethodRun) -> f64 {
+    let k = run.mean_tree_depth;
+    if run.steps == 0 || k == 0.0 {
+        return 1.0;
     }
-    let new_tokens = per_prompt.iter().map(|r| r.new_tokens).sum();
-    let seconds: f64 = per_prompt.iter().map(|r| r.seconds).sum();
-    let prefill_seconds: f64 = per_prompt.iter().map(|r| r.prefill_seconds).sum();
-    let decoded = new_tokens - per_prompt.iter().filter(|r| r.new_tokens > 0).count();
-    Ok(BenchReport {
-        method: "ar".into(),
-        target: target.dir.display().to_string(),
-        device: format!("{:?}", target.device),
-        dtype: format!("{:?}", target.kind),
-        threads: headway_model::linear::cpu_inference_threads(),
-        prompts: per_prompt.len(),
-        max_new_tokens,
-        new_tokens,
-        seconds,
-        tokens_per_s: new_tokens as f64 / seconds.max(f64::MIN_POSITIVE),
-        prefill_seconds,
-        decode_tokens_per_s: decoded as f64 / (seconds - prefill_seconds).max(f64::MIN_POSITIVE),
-        per_prompt,
-    })
+    let alpha = run.depths.pooled().min(0.999_999);
+    let c_target = (ar.verify_seconds + ar.draft_seconds) / ar.steps.max(1) as f64;
+    let c_draft = run.draft_seconds / run.steps as f64 / k;
+    let expected_tokens = (1.0 - alpha.powf(k + 1.0)) / (1.0 - alpha);
+    expected_tokens / (1.0 + k * c_draft / c_target)
+}
+
+/// The report as a markdown table.
+pub fn markdown(report: &BenchReport) -> String {
+    let mut out = format!(
+        "### `{}`: τ {:.2}, {:.1} tokens/s{}\n\n",
+        report.method,
+        report.tau,
+        report.tokens_per_s,
+        match (report.speedup_vs_ar, report.predicted_speedup) {
+            (Some(s), Some(p)) => format!(", {s:.2}× vs ar (formula: {p:.2}×)"),
+            _ => String::new(),
+        }
+    );
+    out.push_str("| category | prompts | τ | accepted/step | tokens/s | ar tokens/s | speedup |\n");
+    out.push_str("|---|---:|---:|---:|---:|---:|---:|\n");
+    let rows = report
+        .per_category
+        .iter()
+        .map(|(name, c)| (name.as_str(), c))
+        .chain(std::iter::once(("**overall**", &report.overall)));
+    for (name, c) in rows {
+        out.push_str(&format!(
+            "| {name} | {} | {:.2} | {:.2} | {:.1} | {} | {} |\n",
+            c.method.prompts,
+            c.method.tau,
+            c.method.mean_accepted,
+            c.method.tokens_per_s,
+            c.ar.as_ref()
+                .map_or("–".into(), |a| format!("{:.1}", a.tokens_per_s)),
+            c.speedup_vs_ar.map_or("–".into(), |s| format!("{s:.2}×")),
+        ));
+    }
+    if !report.per_depth_acceptance.is_empty() {
+        let rates: Vec<String> = report
+            .per_depth_acceptance
+            .iter()
+            .enumerate()
+            .map(|(d, a)| format!("α{} {a:.3}", d + 1))
+            .collect();
+        out.push_str(&format!("\nAcceptance per depth: {}\n", rates.join(", ")));
+    }
+    out
+}
+
+/// Prompts (question, turn) whose token ids differ between two reports, and prompts present in
+/// only one of them.
+pub fn differing_prompts(a: &BenchReport, b: &BenchReport) -> Vec<String> {
+    let key = |r: &PromptResult| (r.question_id, r.turn);
+    let b_ids: BTreeMap<_, _> = b
+        .per_prompt
+        .iter()
+        .map(|r| (key(r), &r.token_ids))
+        .collect();
+    let a_keys: std::collections::BTreeSet<_> = a.per_prompt.iter().map(key).collect();
+    let mut out = Vec::new();
+    for r in &a.per_prompt {
+        match b_ids.get(&key(r)) {
+            None => out.push(format!(
+                "question {} turn {}: only in the first run",
+                r.question_id,
+                r.turn + 1
+            )),
+            Some(ids) if **ids != r.token_ids => {
+                let first = ids
+                    .iter()
+                    .zip(&r.token_ids)
+                    .take_while(|(x, y)| x == y)
+                    .count();
+                out.push(format!(
+                    "question {} turn {}: outputs differ from token {first}",
+                    r.question_id,
+                    r.turn + 1
+                ))
+            }
+            Some(_) => {}
+        }
+    }
+    for r in b.per_prompt.iter().filter(|r| !a_keys.contains(&key(r))) {
+        out.push(format!(
+            "question {} turn {}: only in the second run",
+            r.question_id,
+            r.turn + 1
+        ));
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn depth_stats_count_only_depths_the_path_reached() {
+        let mut stats = DepthStats::default();
+        stats.add(3, 0); // depth 1 tried, rejected
+        stats.add(3, 2); // depths 1, 2 accepted, 3 rejected
+        stats.add(2, 2); // both accepted
+        assert_eq!(stats.reached, vec![3, 2, 1]);
+        assert_eq!(stats.accepted, vec![2, 2, 0]);
+        assert_eq!(stats.rates(), vec![2.0 / 3.0, 1.0, 0.0]);
+        assert!((stats.pooled() - 4.0 / 6.0).abs() < 1e-12);
+    }
 }

@@ -15,6 +15,10 @@ pub enum ServeError {
         field: &'static str,
         message: String,
     },
+    #[error(transparent)]
+    Head(#[from] headway_heads::HeadError),
+    #[error(transparent)]
+    Checkpoint(#[from] headway_checkpoints::CheckpointError),
     #[error("torch: {0}")]
     Torch(#[from] tch::TchError),
 }

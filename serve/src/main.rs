@@ -7,10 +7,14 @@ use std::process::ExitCode;
 
 use anyhow::Context;
 use clap::{Parser, Subcommand};
-use headway_model::generate;
-use headway_model::{Message, TargetArgs};
-use headway_model::{Sampler, SamplingArgs};
-use headway_serve::bench::{bench_autoregressive, load_questions, spread};
+use headway_model::{Message, Sampler, SamplingArgs, TargetArgs};
+use headway_serve::bench::{
+    differing_prompts, load_questions, markdown, report, run_method, spread, BenchOptions,
+    BenchReport, PromptResult,
+};
+use headway_serve::drafters::NoDrafter;
+use headway_serve::engine::generate_speculative;
+use headway_serve::methods::{DraftArgs, DraftResources, Method};
 
 #[derive(Parser)]
 #[command(
@@ -28,8 +32,12 @@ enum Command {
     /// Generate a reply to one prompt, streaming tokens to stdout, then print tokens, seconds and
     /// tokens/s on stderr.
     Generate(GenerateArgs),
-    /// Measure decoding speed over Spec-Bench prompts and optionally write the figures as JSON.
+    /// Measure a decoding method over Spec-Bench questions against plain decoding: τ, acceptance
+    /// per depth, tokens/s and speedup, per category and overall.
     Bench(BenchArgs),
+    /// List the prompts whose outputs differ between two `bench --json` reports (a losslessness
+    /// check: greedy speculative decoding must match `ar` exactly). Exits 1 if any differ.
+    Compare(CompareArgs),
 }
 
 #[derive(clap::Args)]
@@ -50,38 +58,45 @@ struct GenerateArgs {
     max_new_tokens: usize,
     #[command(flatten)]
     sampling: SamplingArgs,
-}
-
-/// Decoding methods `bench` can measure; the speculative ones arrive with the trained heads.
-#[derive(Clone, Copy, clap::ValueEnum)]
-enum Method {
-    /// Plain autoregressive decoding, one target forward per token.
-    Ar,
+    #[command(flatten)]
+    draft: DraftArgs,
 }
 
 #[derive(clap::Args)]
 struct BenchArgs {
     #[command(flatten)]
     target: TargetArgs,
-    /// Decoding method to measure.
-    #[arg(long, value_enum, default_value = "ar")]
-    method: Method,
+    #[command(flatten)]
+    draft: DraftArgs,
     /// Spec-Bench questions (JSON lines with `question_id`, `category`, `turns`).
     #[arg(long, default_value = "../shared/data/spec_bench/question.jsonl")]
     questions: PathBuf,
-    /// How many prompts: the first turn of every (rows / N)-th question, one per block of the
-    /// category-ordered file (8 matches scripts/bench_transformers.py).
-    #[arg(long, default_value_t = 8)]
-    prompts: usize,
+    /// How many questions: every (rows / N)-th of the category-ordered file, so a subset covers
+    /// every category (0: all).
+    #[arg(long, alias = "prompts", default_value_t = 0)]
+    limit: usize,
+    /// Turns asked per question; later turns see the model's own earlier answers.
+    #[arg(long, default_value_t = 2)]
+    turns: usize,
     /// New tokens per prompt (fewer when the model ends its turn first).
-    #[arg(long, default_value_t = 128)]
+    #[arg(long, default_value_t = 256)]
     max_new_tokens: usize,
     #[command(flatten)]
     sampling: SamplingArgs,
-    /// Also write the report (method, prompts, new_tokens, seconds, tokens_per_s, per prompt
-    /// outputs) to this JSON file.
+    /// Skip the `ar` baseline (no speedup figures).
+    #[arg(long)]
+    no_baseline: bool,
+    /// Write the report here as JSON, with a markdown table beside it (same name, .md).
     #[arg(long)]
     json: Option<PathBuf>,
+}
+
+#[derive(clap::Args)]
+struct CompareArgs {
+    /// A `bench --json` report.
+    first: PathBuf,
+    /// Another report over the same prompts.
+    second: PathBuf,
 }
 
 fn main() -> ExitCode {
@@ -102,6 +117,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
     match cli.command {
         Command::Generate(args) => run_generate(args),
         Command::Bench(args) => run_bench(args),
+        Command::Compare(args) => run_compare(args),
     }
 }
 
@@ -119,11 +135,16 @@ fn run_generate(args: GenerateArgs) -> anyhow::Result<()> {
         args.prompt.clone()
     };
     let prompt_ids = target.tokenizer.encode(&prompt, !args.chat)?;
+    let resources = DraftResources::load(&args.draft, &target)?;
+    let capacity = prompt_ids.len() + args.max_new_tokens + 1;
+    let mut drafter = resources.drafter(&args.draft, &target, capacity)?;
     let mut stdout = std::io::stdout();
-    let out = generate(
+    let out = generate_speculative(
         &target,
+        drafter.as_mut(),
         &prompt_ids,
         args.max_new_tokens,
+        args.draft.acceptance(),
         &mut Sampler::new(sampling),
         &mut |piece| {
             // A closed stdout (e.g. piped into `head`) must not abort generation with a panic.
@@ -133,63 +154,159 @@ fn run_generate(args: GenerateArgs) -> anyhow::Result<()> {
         },
     )?;
     println!();
+    let g = &out.generation;
     eprintln!(
-        "{} tokens in {:.2} s: {:.1} tokens/s (prompt {} tokens, time to first token {:.3} s, stop: {:?})",
-        out.tokens.len(),
-        out.seconds,
-        out.tokens.len() as f64 / out.seconds,
+        "{} tokens in {:.2} s: {:.1} tokens/s (prompt {} tokens, time to first token {:.3} s, stop: {:?}; {} {} target forwards, τ {:.2})",
+        g.tokens.len(),
+        g.seconds,
+        g.tokens.len() as f64 / g.seconds,
         prompt_ids.len(),
-        out.prefill_seconds,
-        out.stop_reason,
+        g.prefill_seconds,
+        g.stop_reason,
+        args.draft.method.name(),
+        out.steps.len() + 1,
+        out.tau(),
     );
     Ok(())
 }
 
 fn run_bench(args: BenchArgs) -> anyhow::Result<()> {
-    let Method::Ar = args.method;
     let sampling = args.sampling.params()?;
-    let questions = spread(&load_questions(&args.questions)?, args.prompts);
+    let all = load_questions(&args.questions)?;
+    let questions = if args.limit == 0 {
+        all
+    } else {
+        spread(&all, args.limit)
+    };
     let target = args.target.load()?;
+    let resources = DraftResources::load(&args.draft, &target)?;
+    let options = BenchOptions {
+        max_new_tokens: args.max_new_tokens,
+        turns: args.turns,
+        sampling,
+        acceptance: args.draft.acceptance(),
+    };
+    let longest = questions
+        .iter()
+        .flat_map(|q| &q.turns)
+        .map(String::len)
+        .sum::<usize>();
+    // Room for the longest conversation: generous, the cache is allocated once per prompt.
+    let capacity = (longest + args.turns * args.max_new_tokens + 64)
+        .min(target.model.config().max_position_embeddings);
+    let method = args.draft.method;
+    if args.draft.typical && !sampling.is_greedy() {
+        eprintln!("warning: --typical is lossy: sampled outputs no longer follow the target's distribution");
+    }
     eprintln!(
-        "bench ar: {} prompts, {} new tokens each, {:?} {:?}, {} threads",
+        "bench {}: {} questions × up to {} turns, {} new tokens each, {:?} {:?}, {} threads",
+        method.name(),
         questions.len(),
+        args.turns,
         args.max_new_tokens,
         target.device,
         target.kind,
         headway_model::linear::cpu_inference_threads()
     );
-    let report = bench_autoregressive(&target, &questions, args.max_new_tokens, sampling, |r| {
-        eprintln!(
-            "  question {:>3} {:<15} {:>4} prompt + {:>4} new tokens {:>6.2} s (prefill {:.2} s) {:>6.1} tok/s",
-            r.question_id,
-            r.category,
-            r.prompt_tokens,
-            r.new_tokens,
-            r.seconds,
-            r.prefill_seconds,
-            r.new_tokens as f64 / r.seconds
-        );
-    })?;
-    println!(
-        "method ar: {} prompts, {} new tokens, {:.2} s, {:.1} tokens/s (prompt forwards {:.2} s; decoding alone {:.1} tokens/s)",
-        report.prompts,
-        report.new_tokens,
-        report.seconds,
-        report.tokens_per_s,
-        report.prefill_seconds,
-        report.decode_tokens_per_s
-    );
+    let progress = |name: &'static str| {
+        move |r: &PromptResult| {
+            eprintln!(
+                "  {name:<6} question {:>3} turn {} {:<15} {:>4} prompt + {:>4} new tokens {:>6.2} s {:>6.1} tok/s τ {:.2}",
+                r.question_id,
+                r.turn + 1,
+                r.category,
+                r.prompt_tokens,
+                r.new_tokens,
+                r.seconds,
+                r.new_tokens as f64 / r.seconds,
+                r.new_tokens as f64 / r.target_forwards as f64,
+            )
+        }
+    };
+    let baseline = if method == Method::Ar || args.no_baseline {
+        None
+    } else {
+        let mut plain = NoDrafter;
+        Some(run_method(
+            &target,
+            &mut plain,
+            &questions,
+            &options,
+            progress("ar"),
+        )?)
+    };
+    let mut drafter = resources.drafter(&args.draft, &target, capacity)?;
+    let run = run_method(
+        &target,
+        drafter.as_mut(),
+        &questions,
+        &options,
+        progress(method.name()),
+    )?;
+    let settings = serde_json::json!({
+        "target": target.dir.display().to_string(),
+        "heads": args.draft.heads.as_ref().map(|p| p.display().to_string()),
+        "draft_model": args.draft.draft_model.as_ref().map(|p| p.display().to_string()),
+        "device": format!("{:?}", target.device),
+        "dtype": format!("{:?}", target.kind),
+        "threads": headway_model::linear::cpu_inference_threads(),
+        "questions": questions.len(),
+        "turns": args.turns,
+        "max_new_tokens": args.max_new_tokens,
+        "temperature": sampling.temperature,
+        "top_k": sampling.top_k,
+        "top_p": sampling.top_p,
+        "seed": sampling.seed,
+        "depth": args.draft.depth,
+        "tree_top_k": args.draft.tree_top_k,
+        "tree_tokens": args.draft.tree_tokens,
+        "draft_tokens": args.draft.draft_tokens,
+        "tree": args.draft.tree.as_ref().map(|p| p.display().to_string()),
+        "acceptance": args.draft.acceptance(),
+        "seconds_drafting": run.draft_seconds,
+        "seconds_verifying": run.verify_seconds,
+        "steps": run.steps,
+    });
+    let report = report(method.name(), settings, &run, baseline.as_ref());
+    let table = markdown(&report);
+    println!("{table}");
     if let Some(path) = &args.json {
         let text = serde_json::to_string_pretty(&report)?;
-        write_atomically(path, text.as_bytes())
-            .with_context(|| format!("writing {}", path.display()))?;
+        write_file(path, text.as_bytes())?;
+        write_file(&path.with_extension("md"), table.as_bytes())?;
     }
     Ok(())
 }
 
-/// Writes `bytes` to a temp file beside `path`, then renames it over `path`.
-fn write_atomically(path: &std::path::Path, bytes: &[u8]) -> std::io::Result<()> {
-    let tmp = path.with_extension("tmp");
-    std::fs::write(&tmp, bytes)?;
-    std::fs::rename(&tmp, path)
+fn run_compare(args: CompareArgs) -> anyhow::Result<()> {
+    let read = |path: &PathBuf| -> anyhow::Result<BenchReport> {
+        let text =
+            std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
+        serde_json::from_str(&text)
+            .with_context(|| format!("{} is not a bench report", path.display()))
+    };
+    let (first, second) = (read(&args.first)?, read(&args.second)?);
+    let differing = differing_prompts(&first, &second);
+    for line in &differing {
+        println!("{line}");
+    }
+    println!(
+        "{} of {} prompts identical ({} vs {})",
+        first.per_prompt.len() - differing.len().min(first.per_prompt.len()),
+        first.per_prompt.len(),
+        first.method,
+        second.method
+    );
+    if differing.is_empty() {
+        Ok(())
+    } else {
+        Err(anyhow::anyhow!("{} prompts differ", differing.len()))
+    }
+}
+
+/// Writes `bytes` to `path` atomically (temp file beside it, then rename).
+fn write_file(path: &std::path::Path, bytes: &[u8]) -> anyhow::Result<()> {
+    headway_model::files::write_bytes_atomically(path, bytes)
+        .with_context(|| format!("writing {}", path.display()))?;
+    Ok(())
 }

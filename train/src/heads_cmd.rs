@@ -4,7 +4,9 @@
 use std::path::{Path, PathBuf};
 
 use anyhow::Context;
-use headway_checkpoints::{CheckpointConfig, HeadKind, TargetRef, CHECKPOINT_FORMAT};
+use headway_checkpoints::{
+    load_head, CheckpointConfig, DraftHead, HeadKind, LoadedHead, TargetRef, CHECKPOINT_FORMAT,
+};
 use headway_datasets::features::{FeatureSet, ShardSplit};
 use headway_heads::{DraftVocab, EagleConfig, EagleHead, MedusaConfig, MedusaHeads};
 use headway_model::fingerprint::target_fingerprint;
@@ -172,11 +174,7 @@ fn draft_vocab(setup: &Setup, size: Option<usize>) -> anyhow::Result<Option<Draf
 
 /// The target LM head rows the head drafts over.
 fn lm_head_rows(target: &Target, draft: Option<&DraftVocab>) -> Tensor {
-    let weight = target.model.lm_head.weight().to_kind(Kind::Float);
-    match draft {
-        Some(d) => weight.index_select(0, &d.index(weight.device())),
-        None => weight,
-    }
+    DraftVocab::lm_head_rows(draft, target.model.lm_head.weight())
 }
 
 fn settings(
@@ -358,33 +356,25 @@ pub fn run_eagle(args: EagleArgs) -> anyhow::Result<()> {
 
 pub fn run_eval(args: EvalArgs) -> anyhow::Result<()> {
     let setup = setup(&args.target, &args.features)?;
-    let checkpoint = headway_checkpoints::load(&args.heads)?;
-    checkpoint.check_target(&setup.fingerprint)?;
-    let draft = checkpoint
-        .config
-        .draft_vocab
-        .clone()
-        .map(|d2t| DraftVocab { d2t });
-    let lm_head = lm_head_rows(&setup.target, draft.as_ref());
-    let mut objective: Box<dyn Objective> = match &checkpoint.config.head {
-        HeadKind::Medusa(config) => Box::new(MedusaObjective {
-            heads: MedusaHeads::new(config.clone(), &lm_head)?,
+    let LoadedHead {
+        head,
+        draft_vocab: draft,
+        checkpoint,
+    } = load_head(&args.heads, &setup.target)?;
+    let mut objective: Box<dyn Objective> = match head {
+        DraftHead::Medusa(heads) => Box::new(MedusaObjective {
+            heads,
             decay: 0.8,
             draft,
             target_vocab: setup.target.model.config().vocab_size,
         }),
-        HeadKind::Eagle => Box::new(EagleObjective {
-            head: EagleHead::new(
-                EagleConfig::for_target(setup.target.model.config()),
-                setup.target.model.model.embed_tokens(),
-                &lm_head,
-            )?,
+        DraftHead::Eagle(head) => Box::new(EagleObjective {
+            head,
             noise: 0.0,
             classification_weight: 0.1,
             chain_steps: 5,
         }),
     };
-    objective.params_mut().load(&checkpoint.weights)?;
     let metrics = evaluate(
         &setup.features,
         objective.as_mut(),

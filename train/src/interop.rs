@@ -65,11 +65,7 @@ fn target_dir(target: &Option<PathBuf>) -> PathBuf {
 }
 
 fn write(path: &Path, bytes: &[u8]) -> anyhow::Result<()> {
-    headway_model::files::write_atomically(path, |file, temp| {
-        use std::io::Write;
-        file.write_all(bytes)
-            .map_err(|e| headway_model::ModelError::io(temp, e))
-    })?;
+    headway_model::files::write_bytes_atomically(path, bytes)?;
     Ok(())
 }
 

@@ -4,7 +4,7 @@
 
 use std::path::{Path, PathBuf};
 
-use headway_model::files::write_atomically;
+use headway_model::files::write_bytes_atomically;
 use serde::{Deserialize, Serialize};
 
 use crate::corpus::ReadReport;
@@ -233,11 +233,7 @@ impl Manifest {
     pub fn write(&self, dir: &Path) -> Result<()> {
         let mut text = serde_json::to_string_pretty(self).expect("the manifest serialises");
         text.push('\n');
-        write_atomically(&dir.join(MANIFEST_FILE), |file, _| {
-            use std::io::Write;
-            file.write_all(text.as_bytes())
-                .map_err(|e| headway_model::ModelError::io(dir.join(MANIFEST_FILE), e))
-        })?;
+        write_bytes_atomically(&dir.join(MANIFEST_FILE), text.as_bytes())?;
         Ok(())
     }
 

@@ -10,10 +10,10 @@
 use std::path::{Path, PathBuf};
 use std::time::Instant;
 
-use headway_model::files::{remove_stale_temp_files, write_atomically};
+use headway_model::files::{remove_stale_temp_files, write_bytes_atomically};
 use headway_model::fingerprint::{bytes_sha256, file_sha256, target_fingerprint};
 use headway_model::linear::{set_cpu_workload, CpuWorkload};
-use headway_model::{ModelError, Target};
+use headway_model::Target;
 use tch::Tensor;
 
 use crate::chat_format::{end_of_turn_token, ChatFormatter, ChatSequence};
@@ -474,10 +474,7 @@ fn write_shard(
     let data = assemble(shard, sequences, &members, &features, settings.taps.len());
     let path = out.join(&shard.file);
     let bytes = data.to_bytes(&settings.taps, &path)?;
-    let written = write_atomically(&path, |file, temp| {
-        use std::io::Write;
-        file.write_all(&bytes).map_err(|e| ModelError::io(temp, e))
-    })?;
+    let written = write_bytes_atomically(&path, &bytes)?;
     Ok(ShardEntry {
         file: shard.file.clone(),
         split: shard.split,

@@ -1,0 +1,60 @@
+//! Rebuilding a trained head from its checkpoint on a loaded target (evaluation and serving).
+
+use std::path::Path;
+
+use headway_heads::{DraftVocab, EagleConfig, EagleHead, MedusaHeads};
+use headway_model::fingerprint::target_fingerprint;
+use headway_model::Target;
+
+use crate::{invalid, load, Checkpoint, HeadKind, Result};
+
+/// A head's modules with its checkpoint's weights.
+pub enum DraftHead {
+    Medusa(MedusaHeads),
+    Eagle(EagleHead),
+}
+
+/// A head read back from disk, ready to run on the target it was trained on.
+pub struct LoadedHead {
+    pub head: DraftHead,
+    /// The reduced vocabulary the head drafts over, if it was trained with one.
+    pub draft_vocab: Option<DraftVocab>,
+    pub checkpoint: Checkpoint,
+}
+
+/// Loads the checkpoint at `path` (or a training directory's latest), checks that it was trained
+/// on `target` (fingerprint) and builds the head around the target's frozen embedding and LM head.
+pub fn load_head(path: &Path, target: &Target) -> Result<LoadedHead> {
+    let checkpoint = load(path)?;
+    checkpoint.check_target(&target_fingerprint(&target.dir)?)?;
+    let draft_vocab = checkpoint
+        .config
+        .draft_vocab
+        .clone()
+        .map(|d2t| DraftVocab { d2t });
+    let lm_head = DraftVocab::lm_head_rows(draft_vocab.as_ref(), target.model.lm_head.weight());
+    let build = |e: headway_heads::HeadError| invalid(&checkpoint.dir, e.to_string());
+    let mut head = match &checkpoint.config.head {
+        HeadKind::Medusa(config) => {
+            DraftHead::Medusa(MedusaHeads::new(config.clone(), &lm_head).map_err(build)?)
+        }
+        HeadKind::Eagle => DraftHead::Eagle(
+            EagleHead::new(
+                EagleConfig::for_target(target.model.config()),
+                target.model.model.embed_tokens(),
+                &lm_head,
+            )
+            .map_err(build)?,
+        ),
+    };
+    let params = match &mut head {
+        DraftHead::Medusa(heads) => &mut heads.params,
+        DraftHead::Eagle(head) => &mut head.params,
+    };
+    params.load(&checkpoint.weights).map_err(build)?;
+    Ok(LoadedHead {
+        head,
+        draft_vocab,
+        checkpoint,
+    })
+}

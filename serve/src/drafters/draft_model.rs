@@ -1,0 +1,125 @@
+//! Classic speculative decoding with a smaller model of the same tokenizer: a chain of `k`
+//! tokens, greedy when the target decodes greedily, sampled from the draft's own distribution
+//! (same temperature / top-k / top-p) otherwise.
+
+use std::rc::Rc;
+
+use headway_model::mask::positions;
+use headway_model::{ForwardInput, KvCache, Sampler, Target};
+use tch::Tensor;
+
+use super::{Drafter, Verified};
+use crate::error::{Result, ServeError};
+use crate::tree::{DraftTree, Proposal};
+
+pub struct DraftModelDrafter<'m> {
+    model: &'m Target,
+    cache: KvCache,
+    /// The tokens whose keys and values are in `cache`, in order.
+    cached: Vec<u32>,
+    num_tokens: usize,
+}
+
+impl<'m> DraftModelDrafter<'m> {
+    /// `capacity`: the longest context it will see (prompt + new tokens + tree).
+    pub fn new(
+        model: &'m Target,
+        target: &Target,
+        num_tokens: usize,
+        capacity: usize,
+    ) -> Result<Self> {
+        let (draft_vocab, target_vocab) =
+            (model.tokenizer.vocab_size(), target.tokenizer.vocab_size());
+        if draft_vocab != target_vocab {
+            return Err(ServeError::Invalid {
+                field: "draft model",
+                message: format!(
+                    "{} has a tokenizer of {draft_vocab} tokens, the target {} one of {target_vocab}: a draft model must share the target's tokenizer",
+                    model.dir.display(),
+                    target.dir.display()
+                ),
+            });
+        }
+        let cache = KvCache::new(model.model.config(), 1, capacity, model.kind, model.device)?;
+        Ok(Self {
+            model,
+            cache,
+            cached: Vec::new(),
+            num_tokens,
+        })
+    }
+
+    /// Feeds `tokens` after the cache and returns the logits `[vocab]` at the last one.
+    fn feed(&mut self, tokens: &[u32]) -> Result<Tensor> {
+        let ids: Vec<i64> = tokens.iter().map(|&t| i64::from(t)).collect();
+        let device = self.model.device;
+        let input_ids = Tensor::from_slice(&ids).unsqueeze(0).to_device(device);
+        let positions = positions(self.cache.len(), ids.len(), device);
+        let input = ForwardInput {
+            input_ids: &input_ids,
+            positions: &positions,
+            mask: None,
+            taps: &[],
+        };
+        let hidden = self
+            .model
+            .model
+            .model
+            .forward(&input, Some(&mut self.cache))?
+            .hidden;
+        self.cached.extend_from_slice(tokens);
+        Ok(self
+            .model
+            .model
+            .lm_head
+            .forward(&hidden.get(0).get(ids.len() as i64 - 1)))
+    }
+}
+
+impl Drafter for DraftModelDrafter<'_> {
+    fn draft(&mut self, verified: &Verified, sampler: &mut Sampler) -> Result<DraftTree> {
+        let context = verified.context;
+        // Keep the cached prefix that the context still agrees with, but always re-feed at least
+        // the last token to get logits after it.
+        let common = self
+            .cached
+            .iter()
+            .zip(context)
+            .take_while(|(a, b)| a == b)
+            .count()
+            .min(context.len() - 1);
+        self.cache.truncate(common)?;
+        self.cached.truncate(common);
+        let mut logits = self.feed(&context[common..])?;
+        let (mut tokens, mut proposals) = (Vec::new(), Vec::new());
+        for i in 0..self.num_tokens {
+            let (token, proposal) = if sampler.params().is_greedy() {
+                (
+                    logits.argmax(0, false).int64_value(&[]) as u32,
+                    Proposal::Deterministic,
+                )
+            } else {
+                let p = sampler.params().distribution(&logits);
+                let p = Vec::<f32>::try_from(p.to_device(tch::Device::Cpu))?;
+                (sampler.sample_slice(&p), Proposal::Sampled(Rc::new(p)))
+            };
+            tokens.push(token);
+            proposals.push(proposal);
+            if i + 1 < self.num_tokens {
+                logits = self.feed(&[token])?;
+            }
+        }
+        Ok(DraftTree::chain(&tokens, proposals))
+    }
+
+    fn max_tree_tokens(&self) -> usize {
+        self.num_tokens
+    }
+
+    fn reset(&mut self) {
+        self.cached.clear();
+        self.cache
+            .truncate(0)
+            .expect("truncating to 0 always succeeds");
+    }
+}

@@ -1,0 +1,270 @@
+//! The EAGLE head with EAGLE-2 dynamic trees.
+//!
+//! The head runs one step behind the target: at position `i` it reads the target's feature `f_i`
+//! and the token `t_{i+1}`, and predicts `f̂_{i+1}`, whose logits guess `t_{i+2}`. Its own KV cache
+//! holds one entry per position the target has verified. Drafting expands, depth by depth, the
+//! `top_k` most confident nodes of the newest depth (confidence = the product of the head's
+//! probabilities along the path), each node's children being the head's `top_k` guesses after
+//! it; the `tree_tokens` most confident nodes of everything expanded form the tree. Tree nodes
+//! enter the head's cache only while drafting and are dropped (O(1) truncation) afterwards.
+
+use headway_heads::eagle::EagleModules;
+use headway_heads::EagleHead;
+use headway_model::mask::positions;
+use headway_model::{KvCache, Sampler};
+use tch::{Kind, Tensor};
+
+use super::{Drafter, Verified};
+use crate::error::{Result, ServeError};
+use crate::tree::{DraftTree, Proposal};
+
+/// The size of EAGLE-2 trees.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
+pub struct EagleTreeShape {
+    /// Draft depths (head forwards per step).
+    pub depth: usize,
+    /// Nodes expanded per depth, and children per expanded node.
+    pub top_k: usize,
+    /// Nodes kept in the verified tree.
+    pub tree_tokens: usize,
+}
+
+/// One drafted candidate.
+struct Candidate {
+    token: u32,
+    parent: Option<usize>,
+    depth: usize,
+    /// Sum of log-probabilities along the path.
+    score: f32,
+    /// Row in the feature store of the prediction that proposed this token.
+    source: usize,
+    /// Index in the head's KV cache once the node has been fed (expanded).
+    fed: Option<usize>,
+}
+
+pub struct EagleDrafter<'h> {
+    modules: EagleModules<'h>,
+    d2t: Option<Vec<u32>>,
+    cache: KvCache,
+    /// Positions whose (feature, next token) pair is in the cache: the target's cached prefix.
+    committed: usize,
+    shape: EagleTreeShape,
+}
+
+impl<'h> EagleDrafter<'h> {
+    /// `head` must be frozen; `capacity` is the longest context it will see.
+    pub fn new(
+        head: &'h EagleHead,
+        d2t: Option<Vec<u32>>,
+        shape: EagleTreeShape,
+        capacity: usize,
+    ) -> Result<Self> {
+        if shape.depth == 0 || shape.top_k == 0 || shape.tree_tokens == 0 {
+            return Err(ServeError::Invalid {
+                field: "tree",
+                message: format!("EAGLE tree sizes must be positive, got {shape:?}"),
+            });
+        }
+        Ok(Self {
+            modules: head.modules()?,
+            d2t,
+            cache: head.new_cache(1, capacity + shape.depth * shape.top_k)?,
+            committed: 0,
+            shape,
+        })
+    }
+
+    pub fn shape(&self) -> EagleTreeShape {
+        self.shape
+    }
+
+    pub fn set_shape(&mut self, shape: EagleTreeShape) {
+        self.shape = shape;
+    }
+
+    /// Adds the newly verified (feature, next token) pairs; returns the head's last prediction.
+    fn catch_up(&mut self, verified: &Verified) -> Result<Tensor> {
+        let m = verified.hidden.size()[0] as usize;
+        let prefix = verified.context.len() - 1;
+        let start = prefix - m;
+        self.cache.truncate(self.committed)?;
+        if start != self.committed {
+            return Err(ServeError::Invalid {
+                field: "eagle state",
+                message: format!(
+                    "the head has {} positions but the target verified from {start}",
+                    self.committed
+                ),
+            });
+        }
+        let device = verified.hidden.device();
+        let ids: Vec<i64> = verified.context[start + 1..=prefix]
+            .iter()
+            .map(|&t| i64::from(t))
+            .collect();
+        let ids = Tensor::from_slice(&ids).unsqueeze(0).to_device(device);
+        let out = self.modules.forward(
+            &verified.hidden.unsqueeze(0),
+            &ids,
+            &positions(start, m, device),
+            Some(&mut self.cache),
+            None,
+        )?;
+        self.committed = prefix;
+        Ok(out.get(0).get(m as i64 - 1))
+    }
+
+    /// `top_k` guesses (target ids, log-probabilities) for each row of `features` `[n, hidden]`.
+    fn guesses(&self, features: &Tensor) -> Result<Vec<Vec<(u32, f32)>>> {
+        let logp = self.modules.logits(features).log_softmax(-1, Kind::Float);
+        let (values, index) = logp.topk(self.shape.top_k as i64, -1, true, true);
+        let values = Vec::<f32>::try_from(values.to_device(tch::Device::Cpu).view([-1]))?;
+        let index = Vec::<i64>::try_from(index.to_device(tch::Device::Cpu).view([-1]))?;
+        let to_target = |i: i64| self.d2t.as_ref().map_or(i as u32, |m| m[i as usize]);
+        Ok(values
+            .chunks(self.shape.top_k)
+            .zip(index.chunks(self.shape.top_k))
+            .map(|(v, i)| i.iter().zip(v).map(|(&i, &v)| (to_target(i), v)).collect())
+            .collect())
+    }
+
+    /// Feeds the nodes `expand` (all of one depth) into the head with a tree mask and returns
+    /// their predictions `[n, hidden]`.
+    fn expand(
+        &mut self,
+        candidates: &mut [Candidate],
+        expand: &[usize],
+        store: &[Tensor],
+    ) -> Result<Tensor> {
+        let device = store[0].device();
+        let base = self.cache.len();
+        let width = base + expand.len();
+        let mut allowed = vec![false; expand.len() * width];
+        for (j, &c) in expand.iter().enumerate() {
+            let row = &mut allowed[j * width..(j + 1) * width];
+            row[..self.committed].iter_mut().for_each(|a| *a = true);
+            row[base + j] = true;
+            let mut ancestor = candidates[c].parent;
+            while let Some(a) = ancestor {
+                row[candidates[a].fed.expect("ancestors were expanded")] = true;
+                ancestor = candidates[a].parent;
+            }
+        }
+        let mask = Tensor::from_slice(&allowed)
+            .view([1, 1, expand.len() as i64, width as i64])
+            .to_device(device);
+        let features = Tensor::stack(
+            &expand
+                .iter()
+                .map(|&c| &store[candidates[c].source])
+                .collect::<Vec<_>>(),
+            0,
+        )
+        .unsqueeze(0);
+        let ids: Vec<i64> = expand
+            .iter()
+            .map(|&c| i64::from(candidates[c].token))
+            .collect();
+        let ids = Tensor::from_slice(&ids).unsqueeze(0).to_device(device);
+        let position = (self.committed + candidates[expand[0]].depth - 1) as i64;
+        let positions = Tensor::full([1, expand.len() as i64], position, (Kind::Int64, device));
+        let out = self.modules.forward(
+            &features,
+            &ids,
+            &positions,
+            Some(&mut self.cache),
+            Some(&mask),
+        )?;
+        for (j, &c) in expand.iter().enumerate() {
+            candidates[c].fed = Some(base + j);
+        }
+        Ok(out.get(0))
+    }
+}
+
+impl Drafter for EagleDrafter<'_> {
+    fn draft(&mut self, verified: &Verified, _: &mut Sampler) -> Result<DraftTree> {
+        let _no_grad = tch::no_grad_guard();
+        let mut store = vec![self.catch_up(verified)?];
+        let mut candidates: Vec<Candidate> = Vec::new();
+        let mut newest: Vec<usize> = Vec::new();
+        for (token, score) in self.guesses(&store[0].unsqueeze(0))?.remove(0) {
+            newest.push(candidates.len());
+            candidates.push(Candidate {
+                token,
+                parent: None,
+                depth: 1,
+                score,
+                source: 0,
+                fed: None,
+            });
+        }
+        for _ in 1..self.shape.depth {
+            newest.sort_by(|&a, &b| candidates[b].score.total_cmp(&candidates[a].score));
+            newest.truncate(self.shape.top_k);
+            let predictions = self.expand(&mut candidates, &newest, &store)?;
+            let guesses = self.guesses(&predictions)?;
+            let mut next = Vec::new();
+            for (j, (&parent, children)) in newest.iter().zip(guesses).enumerate() {
+                store.push(predictions.get(j as i64));
+                for (token, logp) in children {
+                    next.push(candidates.len());
+                    candidates.push(Candidate {
+                        token,
+                        parent: Some(parent),
+                        depth: candidates[parent].depth + 1,
+                        score: candidates[parent].score + logp,
+                        source: store.len() - 1,
+                        fed: None,
+                    });
+                }
+            }
+            newest = next;
+        }
+        self.cache.truncate(self.committed)?;
+        Ok(best_subtree(&candidates, self.shape.tree_tokens))
+    }
+
+    fn max_tree_tokens(&self) -> usize {
+        self.shape.tree_tokens
+    }
+
+    fn reset(&mut self) {
+        self.committed = 0;
+        self.cache
+            .truncate(0)
+            .expect("truncating to 0 always succeeds");
+    }
+}
+
+/// EAGLE-2's rerank: the `size` most confident candidates, closed under ancestors (a child's
+/// score never exceeds its parent's, so this only matters for ties), parents first and siblings
+/// by confidence.
+fn best_subtree(candidates: &[Candidate], size: usize) -> DraftTree {
+    let mut order: Vec<usize> = (0..candidates.len()).collect();
+    order.sort_by(|&a, &b| {
+        candidates[b]
+            .score
+            .total_cmp(&candidates[a].score)
+            .then(a.cmp(&b))
+    });
+    let mut keep = vec![false; candidates.len()];
+    for &c in order.iter().take(size) {
+        let mut node = Some(c);
+        while let Some(n) = node.filter(|&n| !keep[n]) {
+            keep[n] = true;
+            node = candidates[n].parent;
+        }
+    }
+    let mut chosen: Vec<usize> = order.into_iter().filter(|&c| keep[c]).collect();
+    chosen.sort_by_key(|&c| candidates[c].depth);
+    let mut tree_index = vec![usize::MAX; candidates.len()];
+    let mut tree = DraftTree::new();
+    for c in chosen {
+        let parent = candidates[c].parent.map(|p| tree_index[p]);
+        tree_index[c] = tree
+            .push(candidates[c].token, parent, Proposal::Deterministic)
+            .expect("parents are pushed before their children");
+    }
+    tree
+}

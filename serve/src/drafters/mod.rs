@@ -1,0 +1,66 @@
+//! Drafters: what proposes the tree of candidate tokens before each verification forward.
+//!
+//! Every method sits behind [`Drafter`], so the engine, the benchmark and the server treat plain
+//! decoding, prompt lookup, a draft model, Medusa heads and the EAGLE head alike.
+
+mod draft_model;
+mod eagle;
+mod lookup;
+mod medusa;
+
+pub use draft_model::DraftModelDrafter;
+pub use eagle::{EagleDrafter, EagleTreeShape};
+pub use lookup::LookupDrafter;
+pub use medusa::MedusaDrafter;
+
+use headway_model::Sampler;
+use tch::Tensor;
+
+use crate::error::Result;
+use crate::tree::DraftTree;
+
+/// What the target has just verified, handed to the drafter before each step.
+pub struct Verified<'a> {
+    /// Prompt and every emitted token. The last one is the root of the next tree: emitted, but
+    /// not yet in the target's KV cache.
+    pub context: &'a [u32],
+    /// The target's final hidden states `[m, hidden]` of the `m` positions that entered its KV
+    /// cache in the last forward: `context[len - 1 - m .. len - 1]`.
+    pub hidden: &'a Tensor,
+}
+
+pub trait Drafter {
+    /// Proposes the tree to verify after `verified.context`. Called once per target forward, in
+    /// order, with every position that entered the target's cache since the previous call.
+    fn draft(&mut self, verified: &Verified, sampler: &mut Sampler) -> Result<DraftTree>;
+
+    /// The most nodes a tree from this drafter can have (the engine reserves KV cache room).
+    fn max_tree_tokens(&self) -> usize;
+
+    /// Called before a new sequence: drop any state of the previous one.
+    fn reset(&mut self) {}
+}
+
+/// Plain decoding: no draft, one token per target forward.
+pub struct NoDrafter;
+
+impl Drafter for NoDrafter {
+    fn draft(&mut self, _: &Verified, _: &mut Sampler) -> Result<DraftTree> {
+        Ok(DraftTree::new())
+    }
+
+    fn max_tree_tokens(&self) -> usize {
+        0
+    }
+}
+
+/// Target ids of the `k` largest entries of `logits` (`[vocab or draft vocab]`), best first;
+/// `d2t` maps draft-vocabulary indices to target ids.
+fn top_tokens(logits: &Tensor, k: usize, d2t: Option<&[u32]>) -> Vec<u32> {
+    let (_, index) = logits.topk(k as i64, -1, true, true);
+    Vec::<i64>::try_from(index.to_device(tch::Device::Cpu).view([-1]))
+        .expect("topk indices are i64")
+        .into_iter()
+        .map(|i| d2t.map_or(i as u32, |m| m[i as usize]))
+        .collect()
+}

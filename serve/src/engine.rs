@@ -1,0 +1,323 @@
+//! The speculative decoding loop: draft a tree, verify it in one target forward, keep the
+//! accepted path.
+//!
+//! Each step feeds `[root, tree nodes…]` after the cached prefix, with a tree mask and
+//! depth-based positions; acceptance ([`crate::acceptance`]) picks the longest accepted path plus
+//! the target's bonus token; the KV cache is then compacted so it holds exactly the root and the
+//! accepted nodes, in order — what plain decoding would have cached — and nothing is re-run.
+
+use std::time::Instant;
+
+use headway_model::mask::{positions, tree_mask};
+use headway_model::{ForwardInput, Generation, KvCache, Sampler, StopReason, Target};
+use tch::{Kind, Tensor};
+
+use crate::acceptance::{accept_greedy, accept_sampled, accept_typical, Acceptance, Accepted};
+use crate::drafters::{Drafter, Verified};
+use crate::error::{Result, ServeError};
+
+/// One verification step's outcome.
+#[derive(Debug, Clone)]
+pub struct Step {
+    /// Tokens emitted: the accepted draft tokens, then the bonus token.
+    pub emitted: Vec<u32>,
+    /// Nodes in the verified tree.
+    pub tree_tokens: usize,
+    /// Depth of the verified tree.
+    pub tree_depth: usize,
+    /// Seconds drafting and verifying.
+    pub draft_seconds: f64,
+    pub verify_seconds: f64,
+}
+
+impl Step {
+    /// Accepted draft tokens (the bonus token is not a draft).
+    pub fn accepted(&self) -> usize {
+        self.emitted.len() - 1
+    }
+}
+
+/// A sequence being decoded speculatively: the target's KV cache and every token so far.
+pub struct Session<'t> {
+    target: &'t Target,
+    cache: KvCache,
+    /// Prompt and emitted tokens; the last one is emitted but not yet cached.
+    tokens: Vec<u32>,
+    prompt_len: usize,
+    /// Final hidden states of the positions cached by the last forward.
+    fresh_hidden: Tensor,
+    acceptance: Acceptance,
+}
+
+impl<'t> Session<'t> {
+    /// Runs the prompt through the target and picks the first token. `room` is how many new
+    /// tokens the session may emit (the cache also reserves `max_tree_tokens` for verification).
+    pub fn start(
+        target: &'t Target,
+        prompt_ids: &[u32],
+        room: usize,
+        max_tree_tokens: usize,
+        acceptance: Acceptance,
+        sampler: &mut Sampler,
+    ) -> Result<Self> {
+        if prompt_ids.is_empty() {
+            return Err(ServeError::Invalid {
+                field: "prompt",
+                message: "the prompt has no tokens".into(),
+            });
+        }
+        let context = target.model.config().max_position_embeddings;
+        if prompt_ids.len() + room > context {
+            return Err(ServeError::Invalid {
+                field: "max_new_tokens",
+                message: format!(
+                    "prompt ({} tokens) + {room} new tokens exceed the model's context of {context}",
+                    prompt_ids.len()
+                ),
+            });
+        }
+        let capacity = prompt_ids.len() + room + max_tree_tokens + 1;
+        let cache = KvCache::new(
+            target.model.config(),
+            1,
+            capacity,
+            target.kind,
+            target.device,
+        )?;
+        let mut session = Self {
+            target,
+            cache,
+            tokens: prompt_ids.to_vec(),
+            prompt_len: prompt_ids.len(),
+            fresh_hidden: Tensor::new(),
+            acceptance,
+        };
+        let hidden = session.forward(prompt_ids, None)?;
+        let last = hidden.get(prompt_ids.len() as i64 - 1);
+        session
+            .tokens
+            .push(sampler.next_token(&target.model.lm_head.forward(&last)));
+        session.fresh_hidden = hidden;
+        Ok(session)
+    }
+
+    /// Prompt and emitted tokens.
+    pub fn tokens(&self) -> &[u32] {
+        &self.tokens
+    }
+
+    /// Emitted tokens.
+    pub fn generated(&self) -> &[u32] {
+        &self.tokens[self.prompt_len..]
+    }
+
+    /// The target's KV cache: every token but the last.
+    pub fn cache(&self) -> &KvCache {
+        &self.cache
+    }
+
+    /// One draft + verify step.
+    pub fn step(&mut self, drafter: &mut dyn Drafter, sampler: &mut Sampler) -> Result<Step> {
+        let started = Instant::now();
+        let tree = drafter.draft(
+            &Verified {
+                context: &self.tokens,
+                hidden: &self.fresh_hidden,
+            },
+            sampler,
+        )?;
+        // Tree positions must stay inside the model's context (the root sits at `prefix`).
+        let prefix = self.cache.len();
+        let context = self.target.model.config().max_position_embeddings;
+        let tree = tree.truncated(context.saturating_sub(prefix + 1));
+        let draft_seconds = started.elapsed().as_secs_f64();
+        let root = *self.tokens.last().expect("a session has tokens");
+        let input: Vec<u32> = std::iter::once(root)
+            .chain(tree.nodes().iter().map(|n| n.token))
+            .collect();
+        let hidden = self.forward(&input, Some(&tree.verification_parents()))?;
+        let logits = self
+            .target
+            .model
+            .lm_head
+            .forward(&hidden)
+            .to_kind(Kind::Float);
+        let Accepted { path, bonus } = if sampler.params().is_greedy() {
+            let argmax =
+                Vec::<i64>::try_from(logits.argmax(-1, false).to_device(tch::Device::Cpu))?;
+            accept_greedy(&tree, &argmax.iter().map(|&t| t as u32).collect::<Vec<_>>())
+        } else {
+            let params = *sampler.params();
+            let mut distribution = |entry: usize| {
+                let q = params.distribution(&logits.get(entry as i64));
+                Vec::<f32>::try_from(q.to_device(tch::Device::Cpu)).expect("f32 distribution")
+            };
+            match self.acceptance {
+                Acceptance::Lossless => accept_sampled(&tree, &mut distribution, sampler),
+                Acceptance::Typical { threshold, alpha } => {
+                    accept_typical(&tree, &mut distribution, sampler, threshold, alpha)
+                }
+            }
+        };
+        let entries: Vec<usize> = std::iter::once(0)
+            .chain(path.iter().map(|&n| n + 1))
+            .collect();
+        let keep: Vec<usize> = entries.iter().map(|&e| prefix + e).collect();
+        self.cache.compact(prefix, &keep)?;
+        let index = Tensor::from_slice(&entries.iter().map(|&e| e as i64).collect::<Vec<_>>())
+            .to_device(hidden.device());
+        self.fresh_hidden = hidden.index_select(0, &index);
+        let emitted: Vec<u32> = path
+            .iter()
+            .map(|&n| tree.nodes()[n].token)
+            .chain(std::iter::once(bonus))
+            .collect();
+        self.tokens.extend_from_slice(&emitted);
+        Ok(Step {
+            emitted,
+            tree_tokens: tree.len(),
+            tree_depth: tree.max_depth(),
+            draft_seconds,
+            verify_seconds: started.elapsed().as_secs_f64() - draft_seconds,
+        })
+    }
+
+    /// Runs `ids` after the cache (causally, or as a tree with `parents` in verification
+    /// numbering) and returns the final hidden states `[n, hidden]`.
+    fn forward(&mut self, ids: &[u32], parents: Option<&[Option<usize>]>) -> Result<Tensor> {
+        let _no_grad = tch::no_grad_guard();
+        let device = self.target.device;
+        let prefix = self.cache.len();
+        let input_ids = Tensor::from_slice(&ids.iter().map(|&t| i64::from(t)).collect::<Vec<_>>())
+            .unsqueeze(0)
+            .to_device(device);
+        let (positions, mask) = match parents {
+            Some(parents) if ids.len() > 1 => {
+                let depths = headway_model::mask::tree_depths(parents);
+                let positions: Vec<i64> = depths.iter().map(|&d| (prefix + d) as i64).collect();
+                let positions = Tensor::from_slice(&positions)
+                    .unsqueeze(0)
+                    .to_device(device);
+                (positions, Some(tree_mask(prefix, parents, device)?))
+            }
+            _ => (positions(prefix, ids.len(), device), None),
+        };
+        let input = ForwardInput {
+            input_ids: &input_ids,
+            positions: &positions,
+            mask: mask.as_ref(),
+            taps: &[],
+        };
+        Ok(self
+            .target
+            .model
+            .model
+            .forward(&input, Some(&mut self.cache))?
+            .hidden
+            .get(0))
+    }
+}
+
+/// A finished speculative generation.
+#[derive(Debug, Clone)]
+pub struct SpecGeneration {
+    pub generation: Generation,
+    /// Target forwards after the prompt's (one per step).
+    pub steps: Vec<Step>,
+}
+
+impl SpecGeneration {
+    /// τ: new tokens per target forward, the prompt forward's first token included (plain
+    /// decoding: 1.0).
+    pub fn tau(&self) -> f64 {
+        self.generation.tokens.len() as f64 / (self.steps.len() + 1) as f64
+    }
+}
+
+/// Generates up to `max_new_tokens` after `prompt_ids` with `drafter`, streaming text through
+/// `on_text`. Output is exactly plain decoding's: tokens past a stop token or `max_new_tokens`
+/// in the last step are dropped.
+pub fn generate_speculative(
+    target: &Target,
+    drafter: &mut dyn Drafter,
+    prompt_ids: &[u32],
+    max_new_tokens: usize,
+    acceptance: Acceptance,
+    sampler: &mut Sampler,
+    on_text: &mut dyn FnMut(&str),
+) -> Result<SpecGeneration> {
+    let start = Instant::now();
+    drafter.reset();
+    let mut session = Session::start(
+        target,
+        prompt_ids,
+        max_new_tokens,
+        drafter.max_tree_tokens(),
+        acceptance,
+        sampler,
+    )?;
+    let prefill_seconds = start.elapsed().as_secs_f64();
+    let mut stream = target.tokenizer.stream(true);
+    let mut out = Emitter {
+        target,
+        tokens: Vec::new(),
+        text: String::new(),
+        max_new_tokens,
+        stop_reason: None,
+    };
+    out.push(session.generated()[0], &mut stream, on_text)?;
+    let mut steps = Vec::new();
+    while out.stop_reason.is_none() {
+        let step = session.step(drafter, sampler)?;
+        for &token in &step.emitted {
+            if out.stop_reason.is_none() {
+                out.push(token, &mut stream, on_text)?;
+            }
+        }
+        steps.push(step);
+    }
+    Ok(SpecGeneration {
+        generation: Generation {
+            tokens: out.tokens,
+            text: out.text,
+            stop_reason: out.stop_reason.expect("the loop ends on a stop"),
+            prefill_seconds,
+            seconds: start.elapsed().as_secs_f64(),
+        },
+        steps,
+    })
+}
+
+/// Emits tokens one at a time, applying plain decoding's stop rules.
+struct Emitter<'t> {
+    target: &'t Target,
+    tokens: Vec<u32>,
+    text: String,
+    max_new_tokens: usize,
+    stop_reason: Option<StopReason>,
+}
+
+impl Emitter<'_> {
+    fn push(
+        &mut self,
+        token: u32,
+        stream: &mut headway_model::tokenizer::TokenStream,
+        on_text: &mut dyn FnMut(&str),
+    ) -> Result<()> {
+        if self.tokens.len() >= self.max_new_tokens {
+            self.stop_reason = Some(StopReason::Length);
+            return Ok(());
+        }
+        self.tokens.push(token);
+        if self.target.stop_ids.contains(&token) {
+            self.stop_reason = Some(StopReason::Eos);
+        } else if let Some(piece) = stream.step(token)? {
+            on_text(&piece);
+            self.text.push_str(&piece);
+        }
+        if self.stop_reason.is_none() && self.tokens.len() >= self.max_new_tokens {
+            self.stop_reason = Some(StopReason::Length);
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,217 @@
+//! Choosing and building a drafter from command-line options (shared by `generate`, `bench` and
+//! `http`).
+
+use std::path::PathBuf;
+
+use headway_checkpoints::{load_head, DraftHead, LoadedHead};
+use headway_model::Target;
+
+use crate::acceptance::Acceptance;
+use crate::drafters::{
+    DraftModelDrafter, Drafter, EagleDrafter, EagleTreeShape, LookupDrafter, MedusaDrafter,
+    NoDrafter,
+};
+use crate::error::{Result, ServeError};
+use crate::tree::TreeChoices;
+
+/// Decoding methods.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum, serde::Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Method {
+    /// Plain autoregressive decoding, one target forward per token.
+    Ar,
+    /// The EAGLE head (--heads) with EAGLE-2 dynamic trees.
+    Eagle,
+    /// Medusa heads (--heads) with a static tree.
+    Medusa,
+    /// A smaller model with the target's tokenizer (--draft-model) drafting a chain.
+    Draft,
+    /// Prompt lookup: n-gram matches in the context, no model.
+    Lookup,
+}
+
+impl Method {
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::Ar => "ar",
+            Self::Eagle => "eagle",
+            Self::Medusa => "medusa",
+            Self::Draft => "draft",
+            Self::Lookup => "lookup",
+        }
+    }
+}
+
+/// Drafting options.
+#[derive(Debug, Clone, clap::Args)]
+pub struct DraftArgs {
+    /// Decoding method.
+    #[arg(long, value_enum, default_value = "ar")]
+    pub method: Method,
+    /// Head checkpoint (or training directory) for --method eagle|medusa.
+    #[arg(long)]
+    pub heads: Option<PathBuf>,
+    /// Draft model directory for --method draft (same tokenizer as the target).
+    #[arg(long)]
+    pub draft_model: Option<PathBuf>,
+    /// EAGLE: draft depths per step.
+    #[arg(long, default_value_t = 5)]
+    pub depth: usize,
+    /// EAGLE: nodes expanded per depth and children per node.
+    #[arg(long, default_value_t = 4)]
+    pub tree_top_k: usize,
+    /// EAGLE and Medusa: nodes in the verified tree. On a CPU every node costs target compute;
+    /// on a GPU up to ~60 cost about as much as one.
+    #[arg(long, default_value_t = 12)]
+    pub tree_tokens: usize,
+    /// Medusa: a JSON list of rank paths ([[0], [1], [0, 0], …], the Medusa repository's format).
+    /// Default: the --tree-tokens paths of highest expected acceptance for typical head accuracies.
+    #[arg(long)]
+    pub tree: Option<PathBuf>,
+    /// Draft model and prompt lookup: tokens per chain.
+    #[arg(long, default_value_t = 5)]
+    pub draft_tokens: usize,
+    /// LOSSY: Medusa's typical acceptance instead of rejection sampling when sampling (accept a
+    /// draft whose target probability exceeds min(--typical-threshold, --typical-alpha ·
+    /// exp(−entropy))). Faster at high temperature; the output no longer follows the target's
+    /// distribution. Greedy decoding is unaffected.
+    #[arg(long)]
+    pub typical: bool,
+    #[arg(long, default_value_t = 0.09, requires = "typical")]
+    pub typical_threshold: f64,
+    #[arg(long, default_value_t = 0.3, requires = "typical")]
+    pub typical_alpha: f64,
+}
+
+impl DraftArgs {
+    /// The acceptance rule these options ask for.
+    pub fn acceptance(&self) -> Acceptance {
+        if self.typical {
+            Acceptance::Typical {
+                threshold: self.typical_threshold,
+                alpha: self.typical_alpha,
+            }
+        } else {
+            Acceptance::Lossless
+        }
+    }
+}
+
+/// What a drafter is built from: the head or draft model, loaded once.
+pub struct DraftResources {
+    pub head: Option<LoadedHead>,
+    pub draft_model: Option<Target>,
+}
+
+impl DraftResources {
+    /// Loads what `args.method` needs for `target`.
+    pub fn load(args: &DraftArgs, target: &Target) -> Result<Self> {
+        let needs_heads = matches!(args.method, Method::Eagle | Method::Medusa);
+        let head = match (&args.heads, needs_heads) {
+            (Some(path), true) => {
+                let mut loaded = load_head(path, target)?;
+                let (params, kind) = match &mut loaded.head {
+                    DraftHead::Medusa(h) => (&mut h.params, Method::Medusa),
+                    DraftHead::Eagle(h) => (&mut h.params, Method::Eagle),
+                };
+                if kind != args.method {
+                    return Err(invalid(format!(
+                        "{} holds {} heads, not {}",
+                        path.display(),
+                        kind.name(),
+                        args.method.name()
+                    )));
+                }
+                params.freeze();
+                Some(loaded)
+            }
+            (None, true) => {
+                return Err(invalid(format!(
+                    "--method {} needs --heads CKPT",
+                    args.method.name()
+                )))
+            }
+            _ => None,
+        };
+        let draft_model = match (&args.draft_model, args.method) {
+            (Some(dir), Method::Draft) => Some(Target::load(dir, target.kind, target.device)?),
+            (None, Method::Draft) => {
+                return Err(invalid("--method draft needs --draft-model DIR".into()))
+            }
+            _ => None,
+        };
+        Ok(Self { head, draft_model })
+    }
+
+    /// A drafter for sequences of up to `capacity` tokens.
+    pub fn drafter<'a>(
+        &'a self,
+        args: &DraftArgs,
+        target: &Target,
+        capacity: usize,
+    ) -> Result<Box<dyn Drafter + 'a>> {
+        let d2t = || {
+            self.head
+                .as_ref()
+                .and_then(|h| h.draft_vocab.as_ref())
+                .map(|v| v.d2t.clone())
+        };
+        Ok(match (args.method, self.head.as_ref().map(|h| &h.head)) {
+            (Method::Ar, _) => Box::new(NoDrafter),
+            (Method::Lookup, _) => Box::new(LookupDrafter {
+                num_tokens: args.draft_tokens,
+                ..Default::default()
+            }),
+            (Method::Draft, _) => {
+                let model = self
+                    .draft_model
+                    .as_ref()
+                    .expect("loaded for --method draft");
+                Box::new(DraftModelDrafter::new(
+                    model,
+                    target,
+                    args.draft_tokens,
+                    capacity,
+                )?)
+            }
+            (Method::Eagle, Some(DraftHead::Eagle(head))) => {
+                let shape = EagleTreeShape {
+                    depth: args.depth,
+                    top_k: args.tree_top_k,
+                    tree_tokens: args.tree_tokens,
+                };
+                Box::new(EagleDrafter::new(head, d2t(), shape, capacity)?)
+            }
+            (Method::Medusa, Some(DraftHead::Medusa(heads))) => {
+                let choices = match &args.tree {
+                    Some(path) => TreeChoices::from_file(path)?,
+                    None => TreeChoices::from_accuracies(
+                        &typical_medusa_accuracy(heads.config.num_heads),
+                        args.tree_tokens,
+                    ),
+                };
+                Box::new(MedusaDrafter::new(heads, d2t(), choices)?)
+            }
+            _ => unreachable!("DraftResources::load checked the head kind"),
+        })
+    }
+}
+
+/// Head-by-rank accuracies used to shape a Medusa tree when none is given: head 0's top guess
+/// right ~55% of the time, each later head a quarter worse, ranks 2–5 sharing a geometric tail
+/// (the shape of Medusa-1's published per-head accuracies).
+pub fn typical_medusa_accuracy(num_heads: usize) -> Vec<Vec<f64>> {
+    (0..num_heads)
+        .map(|head| {
+            let top1 = 0.55 * 0.75f64.powi(head as i32);
+            (0..5).map(|rank| top1 * 0.3f64.powi(rank)).collect()
+        })
+        .collect()
+}
+
+fn invalid(message: String) -> ServeError {
+    ServeError::Invalid {
+        field: "method",
+        message,
+    }
+}

@@ -1,0 +1,475 @@
+//! Speculative decoding changes nothing in what the target says: greedy output token for token,
+//! sampled output in distribution, and the KV cache it leaves behind.
+
+use std::collections::BTreeMap;
+
+use headway_heads::{DraftVocab, EagleConfig, EagleHead, MedusaConfig, MedusaHeads};
+use headway_model::mask::positions;
+use headway_model::testing::{fixture_path, real_target_dir, write_tiny_model, TINY_VOCAB};
+use headway_model::{generate, ForwardInput, KvCache, Message, Sampler, SamplingParams, Target};
+use headway_serve::acceptance::Acceptance;
+use headway_serve::drafters::{
+    DraftModelDrafter, Drafter, EagleDrafter, EagleTreeShape, LookupDrafter, MedusaDrafter,
+    NoDrafter, Verified,
+};
+use headway_serve::engine::{generate_speculative, Session};
+use headway_serve::tree::{DraftTree, Proposal, TreeChoices};
+use rand::rngs::StdRng;
+use rand::{Rng, SeedableRng};
+use tch::{Device, Kind, Tensor};
+
+fn tiny_target(seed: u64) -> (tempfile::TempDir, Target) {
+    let dir = tempfile::tempdir().unwrap();
+    write_tiny_model(dir.path(), seed).unwrap();
+    let target = Target::load(dir.path(), Kind::Float, Device::Cpu).unwrap();
+    (dir, target)
+}
+
+fn greedy() -> Sampler {
+    Sampler::new(SamplingParams::default())
+}
+
+/// Proposes trees around the known plain continuation `truth`: the right path, to a random
+/// depth, hides among wrong siblings (before or after it, some with children of their own), and
+/// sometimes turns wrong part-way. Accepted paths are then long and scattered through the tree,
+/// which is what stresses acceptance and KV compaction.
+struct OracleDrafter {
+    truth: Vec<u32>,
+    rng: StdRng,
+}
+
+impl OracleDrafter {
+    fn wrong(&mut self, right: u32) -> u32 {
+        (right + 1 + self.rng.random_range(0..50)) % TINY_VOCAB as u32
+    }
+}
+
+impl Drafter for OracleDrafter {
+    fn draft(&mut self, verified: &Verified, _: &mut Sampler) -> headway_serve::Result<DraftTree> {
+        let mut tree = DraftTree::new();
+        let start = verified.context.len();
+        let depth = self.rng.random_range(0..=5);
+        let mut parent = None;
+        for d in 0..depth {
+            let Some(&right) = self.truth.get(start + d) else {
+                break;
+            };
+            let token = if self.rng.random_bool(0.15) {
+                self.wrong(right)
+            } else {
+                right
+            };
+            let wrong_before = self.rng.random_bool(0.4);
+            if wrong_before {
+                let w = self.wrong(right);
+                let sibling = tree.push(w, parent, Proposal::Deterministic)?;
+                if self.rng.random_bool(0.5) {
+                    let w = self.wrong(right);
+                    tree.push(w, Some(sibling), Proposal::Deterministic)?;
+                }
+            }
+            let node = tree.push(token, parent, Proposal::Deterministic)?;
+            if !wrong_before && self.rng.random_bool(0.5) {
+                let w = self.wrong(right);
+                tree.push(w, parent, Proposal::Deterministic)?;
+            }
+            parent = Some(node);
+        }
+        Ok(tree)
+    }
+
+    fn max_tree_tokens(&self) -> usize {
+        20
+    }
+}
+
+fn oracle(target: &Target, prompt: &[u32], new_tokens: usize, seed: u64) -> OracleDrafter {
+    let plain = generate(target, prompt, new_tokens + 8, &mut greedy(), &mut |_| {}).unwrap();
+    OracleDrafter {
+        truth: prompt.iter().chain(&plain.tokens).copied().collect(),
+        rng: StdRng::seed_from_u64(seed),
+    }
+}
+
+/// Fresh EAGLE head with random weights over a reversed 200-token draft vocabulary.
+fn random_eagle(target: &Target) -> (EagleHead, Vec<u32>) {
+    tch::manual_seed(7);
+    let d2t: Vec<u32> = (0..200).rev().collect();
+    let vocab = DraftVocab { d2t: d2t.clone() };
+    let lm_head = DraftVocab::lm_head_rows(Some(&vocab), target.model.lm_head.weight());
+    let mut head = EagleHead::new(
+        EagleConfig::for_target(target.model.config()),
+        target.model.model.embed_tokens(),
+        &lm_head,
+    )
+    .unwrap();
+    head.params.freeze();
+    (head, d2t)
+}
+
+/// Fresh Medusa heads (each the identity, so head k guesses the target's next token).
+fn identity_medusa(target: &Target) -> MedusaHeads {
+    let config = MedusaConfig {
+        num_heads: 3,
+        num_layers: 1,
+        hidden_size: target.model.config().hidden_size,
+        vocab_size: target.model.config().vocab_size,
+        shared_lm_head: true,
+    };
+    let mut heads = MedusaHeads::new(config, target.model.lm_head.weight()).unwrap();
+    heads.params.freeze();
+    heads
+}
+
+fn random_prompts(count: usize, seed: u64) -> Vec<Vec<u32>> {
+    let mut rng = StdRng::seed_from_u64(seed);
+    (0..count)
+        .map(|_| {
+            let len = rng.random_range(3..24);
+            // Ids 3.. avoid the tiny model's special tokens; repeats give prompt lookup matches.
+            (0..len).map(|_| rng.random_range(3..60)).collect()
+        })
+        .collect()
+}
+
+fn speculative_tokens(
+    target: &Target,
+    drafter: &mut dyn Drafter,
+    prompt: &[u32],
+    new_tokens: usize,
+) -> (Vec<u32>, f64) {
+    let out = generate_speculative(
+        target,
+        drafter,
+        prompt,
+        new_tokens,
+        Acceptance::Lossless,
+        &mut greedy(),
+        &mut |_| {},
+    )
+    .unwrap();
+    (out.generation.tokens.clone(), out.tau())
+}
+
+#[test]
+fn greedy_speculative_output_equals_plain_greedy_for_every_drafter() {
+    let (_dir, target) = tiny_target(11);
+    let (_draft_dir, other) = tiny_target(12);
+    let (eagle, d2t) = random_eagle(&target);
+    let medusa = identity_medusa(&target);
+    let new_tokens = 40;
+    let capacity = 24 + new_tokens + 1;
+    let shape = EagleTreeShape {
+        depth: 4,
+        top_k: 3,
+        tree_tokens: 10,
+    };
+    let choices = TreeChoices::new(vec![
+        vec![0],
+        vec![1],
+        vec![0, 0],
+        vec![0, 1],
+        vec![0, 0, 0],
+    ])
+    .unwrap();
+    let mut taus: BTreeMap<&str, Vec<f64>> = BTreeMap::new();
+    for (i, prompt) in random_prompts(20, 3).iter().enumerate() {
+        let plain = generate(&target, prompt, new_tokens, &mut greedy(), &mut |_| {}).unwrap();
+        let mut drafters: Vec<(&str, Box<dyn Drafter>)> = vec![
+            ("ar", Box::new(NoDrafter)),
+            ("lookup", Box::new(LookupDrafter::default())),
+            (
+                "draft (other model)",
+                Box::new(DraftModelDrafter::new(&other, &target, 4, capacity).unwrap()),
+            ),
+            (
+                "draft (same model)",
+                Box::new(DraftModelDrafter::new(&target, &target, 4, capacity).unwrap()),
+            ),
+            (
+                "eagle",
+                Box::new(EagleDrafter::new(&eagle, Some(d2t.clone()), shape, capacity).unwrap()),
+            ),
+            (
+                "medusa",
+                Box::new(MedusaDrafter::new(&medusa, None, choices.clone()).unwrap()),
+            ),
+            (
+                "oracle",
+                Box::new(oracle(&target, prompt, new_tokens, i as u64)),
+            ),
+        ];
+        for (name, drafter) in &mut drafters {
+            let (tokens, tau) = speculative_tokens(&target, drafter.as_mut(), prompt, new_tokens);
+            assert_eq!(tokens, plain.tokens, "{name} on prompt {i}: {prompt:?}");
+            taus.entry(name).or_default().push(tau);
+        }
+    }
+    let mean = |name: &str| taus[name].iter().sum::<f64>() / taus[name].len() as f64;
+    assert!((mean("ar") - 1.0).abs() < 1e-9, "plain decoding has τ = 1");
+    // Drafts that are right must really be accepted, or this test proves little.
+    assert!(
+        mean("draft (same model)") > 3.0,
+        "τ {}",
+        mean("draft (same model)")
+    );
+    assert!(mean("oracle") > 1.8, "τ {}", mean("oracle"));
+}
+
+/// Keys and values of every layer for all cached positions.
+fn cache_rows(cache: &KvCache, layers: usize) -> Vec<Tensor> {
+    (0..layers)
+        .flat_map(|l| {
+            let (k, v) = cache.layer(l);
+            [k, v]
+        })
+        .collect()
+}
+
+#[test]
+fn kv_cache_after_speculative_steps_equals_plain_decoding_of_the_same_tokens() {
+    let _no_grad = tch::no_grad_guard();
+    let (_dir, target) = tiny_target(21);
+    let prompt: Vec<u32> = vec![5, 9, 14, 9, 5, 30, 31];
+    let mut drafter = oracle(&target, &prompt, 60, 4);
+    let mut sampler = greedy();
+    let mut session =
+        Session::start(&target, &prompt, 60, 20, Acceptance::Lossless, &mut sampler).unwrap();
+    let mut accepted = 0;
+    for _ in 0..12 {
+        accepted += session.step(&mut drafter, &mut sampler).unwrap().accepted();
+    }
+    assert!(
+        accepted >= 12,
+        "the oracle's drafts were accepted only {accepted} times"
+    );
+    let tokens = session.tokens();
+    let cached = &tokens[..tokens.len() - 1];
+    assert_eq!(session.cache().len(), cached.len());
+    let config = target.model.config();
+    let mut fresh = KvCache::new(config, 1, cached.len(), Kind::Float, Device::Cpu).unwrap();
+    let ids =
+        Tensor::from_slice(&cached.iter().map(|&t| i64::from(t)).collect::<Vec<_>>()).unsqueeze(0);
+    let input = ForwardInput {
+        input_ids: &ids,
+        positions: &positions(0, cached.len(), Device::Cpu),
+        mask: None,
+        taps: &[],
+    };
+    target
+        .model
+        .model
+        .forward(&input, Some(&mut fresh))
+        .unwrap();
+    let layers = config.num_hidden_layers;
+    for (a, b) in cache_rows(session.cache(), layers)
+        .iter()
+        .zip(cache_rows(&fresh, layers))
+    {
+        let diff = (a - b).abs().max().double_value(&[]);
+        assert!(diff < 1e-4, "cache differs by {diff}");
+    }
+}
+
+/// Draws with a greedy draft chain from `inner` whatever the target samples with: deterministic
+/// proposals (the target's own argmax chain when `inner` drafts with the target).
+struct GreedyChain<'m>(DraftModelDrafter<'m>);
+
+impl Drafter for GreedyChain<'_> {
+    fn draft(&mut self, verified: &Verified, _: &mut Sampler) -> headway_serve::Result<DraftTree> {
+        self.0.draft(verified, &mut greedy())
+    }
+
+    fn max_tree_tokens(&self) -> usize {
+        self.0.max_tree_tokens()
+    }
+
+    fn reset(&mut self) {
+        self.0.reset()
+    }
+}
+
+const FIRST_TOKENS: usize = 4;
+const SAMPLES: usize = 2500;
+
+fn sampling() -> SamplingParams {
+    SamplingParams {
+        temperature: 1.0,
+        top_k: 3,
+        top_p: 1.0,
+        seed: 0,
+    }
+}
+
+/// Counts of the first four emitted tokens over `SAMPLES` generations.
+fn sequence_counts(
+    mut generate_once: impl FnMut(&mut Sampler) -> Vec<u32>,
+    seed: u64,
+) -> BTreeMap<Vec<u32>, usize> {
+    let mut sampler = Sampler::new(SamplingParams { seed, ..sampling() });
+    let mut counts = BTreeMap::new();
+    for _ in 0..SAMPLES {
+        let mut tokens = generate_once(&mut sampler);
+        tokens.truncate(FIRST_TOKENS);
+        *counts.entry(tokens).or_insert(0) += 1;
+    }
+    counts
+}
+
+/// Pearson's chi-square test of homogeneity between two samples (rare sequences pooled);
+/// returns (statistic, 0.999 critical value).
+fn homogeneity(a: &BTreeMap<Vec<u32>, usize>, b: &BTreeMap<Vec<u32>, usize>) -> (f64, f64) {
+    let keys: std::collections::BTreeSet<&Vec<u32>> = a.keys().chain(b.keys()).collect();
+    let mut cells: Vec<(f64, f64)> = Vec::new();
+    let mut rare = (0.0, 0.0);
+    for key in keys {
+        let (x, y) = (
+            *a.get(key).unwrap_or(&0) as f64,
+            *b.get(key).unwrap_or(&0) as f64,
+        );
+        if x + y < 20.0 {
+            rare = (rare.0 + x, rare.1 + y);
+        } else {
+            cells.push((x, y));
+        }
+    }
+    cells.push(rare);
+    let (na, nb) = (
+        cells.iter().map(|c| c.0).sum::<f64>(),
+        cells.iter().map(|c| c.1).sum::<f64>(),
+    );
+    let mut stat = 0.0;
+    for &(x, y) in &cells {
+        let total = x + y;
+        if total == 0.0 {
+            continue;
+        }
+        let (ex, ey) = (total * na / (na + nb), total * nb / (na + nb));
+        stat += (x - ex).powi(2) / ex + (y - ey).powi(2) / ey;
+    }
+    // Wilson–Hilferty approximation of the chi-square quantile, z = 3.09 for 0.999.
+    let df = (cells.len() - 1) as f64;
+    let h = 2.0 / (9.0 * df);
+    (stat, df * (1.0 - h + 3.09 * h.sqrt()).powi(3))
+}
+
+#[test]
+fn speculative_sampling_keeps_the_target_distribution_and_typical_acceptance_does_not() {
+    let (_dir, target) = tiny_target(31);
+    let (_draft_dir, other) = tiny_target(32);
+    let prompt: Vec<u32> = vec![7, 8, 9, 10];
+    let capacity = prompt.len() + FIRST_TOKENS + 8;
+    let plain = sequence_counts(
+        |sampler| {
+            generate(&target, &prompt, FIRST_TOKENS, sampler, &mut |_| {})
+                .unwrap()
+                .tokens
+        },
+        1,
+    );
+    let run = |drafter: &mut dyn Drafter, acceptance: Acceptance, seed: u64| {
+        sequence_counts(
+            |sampler| {
+                generate_speculative(
+                    &target,
+                    drafter,
+                    &prompt,
+                    FIRST_TOKENS,
+                    acceptance,
+                    sampler,
+                    &mut |_| {},
+                )
+                .unwrap()
+                .generation
+                .tokens
+            },
+            seed,
+        )
+    };
+    let mut sampled_draft = DraftModelDrafter::new(&other, &target, 3, capacity).unwrap();
+    let mut argmax_chain =
+        GreedyChain(DraftModelDrafter::new(&target, &target, 3, capacity).unwrap());
+    for (name, drafter) in [
+        (
+            "sampled draft model",
+            &mut sampled_draft as &mut dyn Drafter,
+        ),
+        ("deterministic argmax chain", &mut argmax_chain),
+    ] {
+        let counts = run(drafter, Acceptance::Lossless, 2);
+        let (stat, critical) = homogeneity(&plain, &counts);
+        assert!(stat < critical, "{name}: chi2 {stat:.1} ≥ {critical:.1}");
+    }
+    let typical = Acceptance::Typical {
+        threshold: 0.09,
+        alpha: 0.3,
+    };
+    let counts = run(&mut argmax_chain, typical, 3);
+    let (stat, critical) = homogeneity(&plain, &counts);
+    assert!(
+        stat > critical,
+        "typical acceptance passed as lossless: chi2 {stat:.1} < {critical:.1}"
+    );
+}
+
+#[derive(serde::Deserialize)]
+struct GreedyFixture {
+    cases: Vec<GreedyCase>,
+}
+
+#[derive(serde::Deserialize)]
+struct GreedyCase {
+    messages: Vec<Message>,
+}
+
+#[test]
+fn greedy_speculative_output_equals_plain_greedy_on_smollm2() {
+    let target = Target::load(&real_target_dir(), Kind::Float, Device::Cpu).unwrap();
+    let text = std::fs::read_to_string(fixture_path("greedy_reference.json")).unwrap();
+    let fixture: GreedyFixture = serde_json::from_str(&text).unwrap();
+    tch::manual_seed(3);
+    let mut eagle = EagleHead::new(
+        EagleConfig::for_target(target.model.config()),
+        target.model.model.embed_tokens(),
+        target.model.lm_head.weight(),
+    )
+    .unwrap();
+    eagle.params.freeze();
+    let medusa = identity_medusa(&target);
+    let new_tokens = 48;
+    assert!(fixture.cases.len() >= 3);
+    for case in &fixture.cases {
+        let prompt = target.chat_prompt(&case.messages).unwrap();
+        let ids = target.tokenizer.encode(&prompt, false).unwrap();
+        let plain = generate(&target, &ids, new_tokens, &mut greedy(), &mut |_| {}).unwrap();
+        let capacity = ids.len() + new_tokens + 1;
+        let shape = EagleTreeShape {
+            depth: 3,
+            top_k: 3,
+            tree_tokens: 8,
+        };
+        let mut drafters: Vec<(&str, Box<dyn Drafter>)> = vec![
+            ("lookup", Box::new(LookupDrafter::default())),
+            (
+                "eagle",
+                Box::new(EagleDrafter::new(&eagle, None, shape, capacity).unwrap()),
+            ),
+            (
+                "medusa",
+                Box::new(MedusaDrafter::new(&medusa, None, TreeChoices::chain(2)).unwrap()),
+            ),
+            (
+                "draft",
+                Box::new(DraftModelDrafter::new(&target, &target, 3, capacity).unwrap()),
+            ),
+        ];
+        for (name, drafter) in &mut drafters {
+            let (tokens, _) = speculative_tokens(&target, drafter.as_mut(), &ids, new_tokens);
+            assert_eq!(
+                tokens, plain.tokens,
+                "{name} on {:?}",
+                case.messages[0].content
+            );
+        }
+    }
+}
