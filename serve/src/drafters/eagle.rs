@@ -268,3 +268,86 @@ fn best_subtree(candidates: &[Candidate], size: usize) -> DraftTree {
     }
     tree
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use headway_heads::EagleConfig;
+    use headway_model::testing::tiny_config;
+    use tch::Device;
+
+    fn head() -> EagleHead {
+        tch::manual_seed(5);
+        let config = tiny_config();
+        let embed = Tensor::randn(
+            [config.vocab_size as i64, config.hidden_size as i64],
+            (Kind::Float, Device::Cpu),
+        );
+        let mut head = EagleHead::new(EagleConfig::for_target(&config), &embed, &embed).unwrap();
+        head.params.freeze();
+        head
+    }
+
+    /// With one child per node the tree is the head's greedy chain, which a plain sequential
+    /// run of the head (cache, causal, no tree mask) must reproduce; a second step after some
+    /// accepted tokens must agree too (catch-up after truncating the drafted nodes).
+    #[test]
+    fn tree_drafting_equals_running_the_head_step_by_step() {
+        let _no_grad = tch::no_grad_guard();
+        let head = head();
+        let h = head.config.layer.hidden_size as i64;
+        let shape = EagleTreeShape {
+            depth: 4,
+            top_k: 1,
+            tree_tokens: 4,
+        };
+        let mut drafter = EagleDrafter::new(&head, None, shape, 64).unwrap();
+        let mut sampler = Sampler::new(Default::default());
+        let context: Vec<u32> = vec![3, 17, 40, 2, 99, 5];
+        let hidden = Tensor::randn([10, h], (Kind::Float, Device::Cpu));
+        for (len, rows) in [(6usize, 0..5i64), (9, 5..8)] {
+            let ctx: Vec<u32> = context.iter().copied().chain([7, 8, 9]).take(len).collect();
+            let verified = Verified {
+                context: &ctx,
+                hidden: &hidden.narrow(0, rows.start, rows.end - rows.start),
+            };
+            let tree = drafter.draft(&verified, &mut sampler).unwrap();
+            let chain: Vec<u32> = tree.nodes().iter().map(|n| n.token).collect();
+            assert_eq!(tree.max_depth(), 4);
+            // Reference: the head over the whole context causally, then its own chain.
+            let modules = head.modules().unwrap();
+            let mut cache = head.new_cache(1, 64).unwrap();
+            let prefix = ctx.len() - 1;
+            let ids = |t: &[u32]| {
+                Tensor::from_slice(&t.iter().map(|&x| i64::from(x)).collect::<Vec<_>>())
+                    .unsqueeze(0)
+            };
+            let out = modules
+                .forward(
+                    &hidden.narrow(0, 0, prefix as i64).unsqueeze(0),
+                    &ids(&ctx[1..]),
+                    &positions(0, prefix, Device::Cpu),
+                    Some(&mut cache),
+                    None,
+                )
+                .unwrap();
+            let mut feature = out.get(0).get(prefix as i64 - 1);
+            let mut expected = Vec::new();
+            for d in 0..4 {
+                let token = modules.logits(&feature).argmax(-1, false).int64_value(&[]) as u32;
+                expected.push(token);
+                let next = modules
+                    .forward(
+                        &feature.view([1, 1, h]),
+                        &ids(&[token]),
+                        &positions(prefix + d, 1, Device::Cpu),
+                        Some(&mut cache),
+                        None,
+                    )
+                    .unwrap();
+                feature = next.get(0).get(0);
+            }
+            assert_eq!(chain, expected, "context of {len}");
+        }
+    }
+}
