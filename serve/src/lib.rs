@@ -11,6 +11,7 @@ pub mod drafters;
 pub mod engine;
 pub mod error;
 pub mod methods;
+pub mod plot;
 pub mod tree;
 
 pub use error::{Result, ServeError};

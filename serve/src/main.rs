@@ -15,6 +15,7 @@ use headway_serve::bench::{
 use headway_serve::drafters::NoDrafter;
 use headway_serve::engine::generate_speculative;
 use headway_serve::methods::{DraftArgs, DraftResources, Method};
+use headway_serve::plot::svg;
 
 #[derive(Parser)]
 #[command(
@@ -86,7 +87,8 @@ struct BenchArgs {
     /// Skip the `ar` baseline (no speedup figures).
     #[arg(long)]
     no_baseline: bool,
-    /// Write the report here as JSON, with a markdown table beside it (same name, .md).
+    /// Write the report here as JSON, with a markdown table (.md) and an SVG chart (.svg) of
+    /// acceptance per depth and speedup per category beside it.
     #[arg(long)]
     json: Option<PathBuf>,
 }
@@ -274,6 +276,7 @@ fn run_bench(args: BenchArgs) -> anyhow::Result<()> {
         let text = serde_json::to_string_pretty(&report)?;
         write_file(path, text.as_bytes())?;
         write_file(&path.with_extension("md"), table.as_bytes())?;
+        write_file(&path.with_extension("svg"), svg(&report)?.as_bytes())?;
     }
     Ok(())
 }
