@@ -6,6 +6,7 @@
 //! all on Spec-Bench.
 
 pub mod acceptance;
+pub mod autotune;
 pub mod bench;
 pub mod drafters;
 pub mod engine;

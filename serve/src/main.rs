@@ -137,7 +137,11 @@ fn run_generate(args: GenerateArgs) -> anyhow::Result<()> {
         args.prompt.clone()
     };
     let prompt_ids = target.tokenizer.encode(&prompt, !args.chat)?;
-    let resources = DraftResources::load(&args.draft, &target)?;
+    let mut resources = DraftResources::load(&args.draft, &target)?;
+    resources.tune(&args.draft, &target, std::slice::from_ref(&prompt_ids))?;
+    if let Some(tuned) = &resources.tuned {
+        eprint!("{}", tuned.describe());
+    }
     let capacity = prompt_ids.len() + args.max_new_tokens + 1;
     let mut drafter = resources.drafter(&args.draft, &target, capacity)?;
     let mut stdout = std::io::stdout();
@@ -181,7 +185,19 @@ fn run_bench(args: BenchArgs) -> anyhow::Result<()> {
         spread(&all, args.limit)
     };
     let target = args.target.load()?;
-    let resources = DraftResources::load(&args.draft, &target)?;
+    let mut resources = DraftResources::load(&args.draft, &target)?;
+    let warm_up: Vec<Vec<u32>> = questions
+        .iter()
+        .take(2)
+        .map(|q| {
+            let text = target.chat_prompt(&[Message::new("user", &q.turns[0])])?;
+            target.tokenizer.encode(&text, false)
+        })
+        .collect::<Result<_, _>>()?;
+    resources.tune(&args.draft, &target, &warm_up)?;
+    if let Some(tuned) = &resources.tuned {
+        eprint!("{}", tuned.describe());
+    }
     let options = BenchOptions {
         max_new_tokens: args.max_new_tokens,
         turns: args.turns,
@@ -261,7 +277,14 @@ fn run_bench(args: BenchArgs) -> anyhow::Result<()> {
         "seed": sampling.seed,
         "depth": args.draft.depth,
         "tree_top_k": args.draft.tree_top_k,
-        "tree_tokens": args.draft.tree_tokens,
+        "tree_tokens": args.draft.tree_tokens.to_string(),
+        "auto_tuned": resources.tuned.as_ref().map(|t| serde_json::json!({
+            "chosen": t.best,
+            "predicted_tokens_per_s": t.best.tokens_per_s,
+            "predicted_tau": 1.0 + t.best.accepted,
+            "predicted_ar_tokens_per_s": t.ar_tokens_per_s,
+            "ranking": t.ranking,
+        })),
         "draft_tokens": args.draft.draft_tokens,
         "tree": args.draft.tree.as_ref().map(|p| p.display().to_string()),
         "acceptance": args.draft.acceptance(),
@@ -270,7 +293,17 @@ fn run_bench(args: BenchArgs) -> anyhow::Result<()> {
         "steps": run.steps,
     });
     let report = report(method.name(), settings, &run, baseline.as_ref());
-    let table = markdown(&report);
+    let mut table = markdown(&report);
+    if let Some(tuned) = &resources.tuned {
+        table.push_str(&format!(
+            "\nAuto-tuned tree: {}; predicted τ {:.2}, {:.1} tokens/s; measured τ {:.2}, {:.1} tokens/s.\n",
+            tuned.best.description,
+            1.0 + tuned.best.accepted,
+            tuned.best.tokens_per_s,
+            report.tau,
+            report.tokens_per_s
+        ));
+    }
     println!("{table}");
     if let Some(path) = &args.json {
         let text = serde_json::to_string_pretty(&report)?;

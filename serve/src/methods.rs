@@ -7,6 +7,7 @@ use headway_checkpoints::{load_head, DraftHead, LoadedHead};
 use headway_model::Target;
 
 use crate::acceptance::Acceptance;
+use crate::autotune::{tune_eagle, tune_medusa, Tuned};
 use crate::drafters::{
     DraftModelDrafter, Drafter, EagleDrafter, EagleTreeShape, LookupDrafter, MedusaDrafter,
     NoDrafter,
@@ -60,10 +61,13 @@ pub struct DraftArgs {
     /// EAGLE: nodes expanded per depth and children per node.
     #[arg(long, default_value_t = 4)]
     pub tree_top_k: usize,
-    /// EAGLE and Medusa: nodes in the verified tree. On a CPU every node costs target compute;
+    /// EAGLE and Medusa: nodes in the verified tree, or `auto`: measure the target's latency for
+    /// 1–64 new tokens and the drafter on a short warm-up, and pick the tree (EAGLE: depth, top-k
+    /// and size up to --depth / --tree-top-k; Medusa: size, tree built from the heads' measured
+    /// accuracies) with the highest predicted tokens/s. On a CPU every node costs target compute;
     /// on a GPU up to ~60 cost about as much as one.
-    #[arg(long, default_value_t = 12)]
-    pub tree_tokens: usize,
+    #[arg(long, default_value = "12")]
+    pub tree_tokens: TreeTokens,
     /// Medusa: a JSON list of rank paths ([[0], [1], [0, 0], …], the Medusa repository's format).
     /// Default: the --tree-tokens paths of highest expected acceptance for typical head accuracies.
     #[arg(long)]
@@ -97,10 +101,46 @@ impl DraftArgs {
     }
 }
 
-/// What a drafter is built from: the head or draft model, loaded once.
+/// `--tree-tokens`: a size, or tuned on this device.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum TreeTokens {
+    Fixed(usize),
+    Auto,
+}
+
+impl std::str::FromStr for TreeTokens {
+    type Err = String;
+
+    fn from_str(text: &str) -> Result<Self, String> {
+        match text {
+            "auto" => Ok(Self::Auto),
+            _ => match text.parse::<usize>() {
+                Ok(n) if n > 0 => Ok(Self::Fixed(n)),
+                _ => Err(format!(
+                    "{text:?}: expected a positive number of tokens or `auto`"
+                )),
+            },
+        }
+    }
+}
+
+impl std::fmt::Display for TreeTokens {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Self::Fixed(n) => write!(f, "{n}"),
+            Self::Auto => f.write_str("auto"),
+        }
+    }
+}
+
+/// The largest tree `--tree-tokens auto` considers.
+const AUTO_MAX_TREE_TOKENS: usize = 64;
+
+/// What a drafter is built from: the head or draft model, loaded once, and the tuned tree.
 pub struct DraftResources {
     pub head: Option<LoadedHead>,
     pub draft_model: Option<Target>,
+    pub tuned: Option<Tuned>,
 }
 
 impl DraftResources {
@@ -140,7 +180,50 @@ impl DraftResources {
             }
             _ => None,
         };
-        Ok(Self { head, draft_model })
+        Ok(Self {
+            head,
+            draft_model,
+            tuned: None,
+        })
+    }
+
+    /// With `--tree-tokens auto`, tunes the tree on `prompts` (a short greedy warm-up of each);
+    /// otherwise does nothing.
+    pub fn tune(&mut self, args: &DraftArgs, target: &Target, prompts: &[Vec<u32>]) -> Result<()> {
+        if args.tree_tokens != TreeTokens::Auto {
+            return Ok(());
+        }
+        let d2t = self
+            .head
+            .as_ref()
+            .and_then(|h| h.draft_vocab.as_ref())
+            .map(|v| v.d2t.clone());
+        const WARM_UP_TOKENS: usize = 48;
+        self.tuned = match self.head.as_ref().map(|h| &h.head) {
+            Some(DraftHead::Eagle(head)) => {
+                let max = EagleTreeShape {
+                    depth: args.depth,
+                    top_k: args.tree_top_k,
+                    tree_tokens: AUTO_MAX_TREE_TOKENS,
+                };
+                Some(tune_eagle(target, head, d2t, max, prompts, WARM_UP_TOKENS)?)
+            }
+            Some(DraftHead::Medusa(heads)) => Some(tune_medusa(
+                target,
+                heads,
+                d2t,
+                AUTO_MAX_TREE_TOKENS,
+                prompts,
+                WARM_UP_TOKENS,
+            )?),
+            None => {
+                return Err(invalid(format!(
+                    "--tree-tokens auto tunes EAGLE and Medusa trees, not --method {}",
+                    args.method.name()
+                )))
+            }
+        };
+        Ok(())
     }
 
     /// A drafter for sequences of up to `capacity` tokens.
@@ -175,25 +258,39 @@ impl DraftResources {
                 )?)
             }
             (Method::Eagle, Some(DraftHead::Eagle(head))) => {
-                let shape = EagleTreeShape {
-                    depth: args.depth,
-                    top_k: args.tree_top_k,
-                    tree_tokens: args.tree_tokens,
+                let shape = match args.tree_tokens {
+                    TreeTokens::Fixed(tree_tokens) => EagleTreeShape {
+                        depth: args.depth,
+                        top_k: args.tree_top_k,
+                        tree_tokens,
+                    },
+                    TreeTokens::Auto => self.tuned()?.eagle.expect("tuned for EAGLE"),
                 };
                 Box::new(EagleDrafter::new(head, d2t(), shape, capacity)?)
             }
             (Method::Medusa, Some(DraftHead::Medusa(heads))) => {
-                let choices = match &args.tree {
-                    Some(path) => TreeChoices::from_file(path)?,
-                    None => TreeChoices::from_accuracies(
+                let choices = match (&args.tree, args.tree_tokens) {
+                    (Some(path), _) => TreeChoices::from_file(path)?,
+                    (None, TreeTokens::Fixed(tree_tokens)) => TreeChoices::from_accuracies(
                         &typical_medusa_accuracy(heads.config.num_heads),
-                        args.tree_tokens,
+                        tree_tokens,
                     ),
+                    (None, TreeTokens::Auto) => {
+                        self.tuned()?.medusa.clone().expect("tuned for Medusa")
+                    }
                 };
                 Box::new(MedusaDrafter::new(heads, d2t(), choices)?)
             }
             _ => unreachable!("DraftResources::load checked the head kind"),
         })
+    }
+}
+
+impl DraftResources {
+    fn tuned(&self) -> Result<&Tuned> {
+        self.tuned
+            .as_ref()
+            .ok_or_else(|| invalid("--tree-tokens auto: call DraftResources::tune first".into()))
     }
 }
 

@@ -30,16 +30,41 @@ pub struct EagleTreeShape {
 }
 
 /// One drafted candidate.
-struct Candidate {
-    token: u32,
-    parent: Option<usize>,
-    depth: usize,
+#[derive(Debug, Clone)]
+pub struct Candidate {
+    pub token: u32,
+    /// Index of the parent candidate; siblings are created best guess first.
+    pub parent: Option<usize>,
+    pub depth: usize,
     /// Sum of log-probabilities along the path.
-    score: f32,
+    pub score: f32,
     /// Row in the feature store of the prediction that proposed this token.
     source: usize,
     /// Index in the head's KV cache once the node has been fed (expanded).
     fed: Option<usize>,
+}
+
+impl Candidate {
+    /// Whether the node was expanded (its children were drafted).
+    pub fn expanded(&self) -> bool {
+        self.fed.is_some()
+    }
+
+    /// The same candidate under another parent index (re-selected subsets of a step).
+    pub fn with_parent(&self, parent: Option<usize>) -> Self {
+        Self {
+            parent,
+            ..self.clone()
+        }
+    }
+}
+
+/// Everything drafted in one step, kept for tree-size tuning ([`crate::autotune`]).
+#[derive(Debug, Clone)]
+pub struct DraftRecord {
+    /// Index of the step's root in the token sequence.
+    pub root: usize,
+    pub candidates: Vec<Candidate>,
 }
 
 pub struct EagleDrafter<'h> {
@@ -49,6 +74,8 @@ pub struct EagleDrafter<'h> {
     /// Positions whose (feature, next token) pair is in the cache: the target's cached prefix.
     committed: usize,
     shape: EagleTreeShape,
+    /// Every step's candidates while recording.
+    records: Option<Vec<DraftRecord>>,
 }
 
 impl<'h> EagleDrafter<'h> {
@@ -71,15 +98,18 @@ impl<'h> EagleDrafter<'h> {
             cache: head.new_cache(1, capacity + shape.depth * shape.top_k)?,
             committed: 0,
             shape,
+            records: None,
         })
     }
 
-    pub fn shape(&self) -> EagleTreeShape {
-        self.shape
+    /// Starts keeping every step's candidates.
+    pub fn record(&mut self) {
+        self.records = Some(Vec::new());
     }
 
-    pub fn set_shape(&mut self, shape: EagleTreeShape) {
-        self.shape = shape;
+    /// The recorded steps (recording stops).
+    pub fn take_records(&mut self) -> Vec<DraftRecord> {
+        self.records.take().unwrap_or_default()
     }
 
     /// Adds the newly verified (feature, next token) pairs; returns the head's last prediction.
@@ -222,7 +252,14 @@ impl Drafter for EagleDrafter<'_> {
             newest = next;
         }
         self.cache.truncate(self.committed)?;
-        Ok(best_subtree(&candidates, self.shape.tree_tokens))
+        let tree = best_subtree(&candidates, self.shape.tree_tokens);
+        if let Some(records) = &mut self.records {
+            records.push(DraftRecord {
+                root: verified.context.len() - 1,
+                candidates,
+            });
+        }
+        Ok(tree)
     }
 
     fn max_tree_tokens(&self) -> usize {
@@ -240,7 +277,7 @@ impl Drafter for EagleDrafter<'_> {
 /// EAGLE-2's rerank: the `size` most confident candidates, closed under ancestors (a child's
 /// score never exceeds its parent's, so this only matters for ties), parents first and siblings
 /// by confidence.
-fn best_subtree(candidates: &[Candidate], size: usize) -> DraftTree {
+pub fn best_subtree(candidates: &[Candidate], size: usize) -> DraftTree {
     let mut order: Vec<usize> = (0..candidates.len()).collect();
     order.sort_by(|&a, &b| {
         candidates[b]

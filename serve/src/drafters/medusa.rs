@@ -12,7 +12,22 @@ pub struct MedusaDrafter<'h> {
     heads: &'h MedusaHeads,
     d2t: Option<Vec<u32>>,
     choices: TreeChoices,
+    /// Every step's guesses while recording.
+    records: Option<Vec<GuessRecord>>,
 }
+
+/// The heads' guesses in one step, kept to measure their accuracy per rank
+/// ([`crate::autotune`]).
+#[derive(Debug, Clone)]
+pub struct GuessRecord {
+    /// Index of the step's root in the token sequence: head d guesses token `root + d + 1`.
+    pub root: usize,
+    /// `guesses[d]`: head d's best guesses, best first.
+    pub guesses: Vec<Vec<u32>>,
+}
+
+/// Ranks recorded per head.
+pub const RECORDED_RANKS: usize = 5;
 
 impl<'h> MedusaDrafter<'h> {
     /// `heads` must be frozen ([`headway_heads::Params::freeze`]); the tree may be at most as deep
@@ -36,7 +51,18 @@ impl<'h> MedusaDrafter<'h> {
             heads,
             d2t,
             choices,
+            records: None,
         })
+    }
+
+    /// Starts recording every head's top guesses at every step.
+    pub fn record(&mut self) {
+        self.records = Some(Vec::new());
+    }
+
+    /// The recorded steps (recording stops).
+    pub fn take_records(&mut self) -> Vec<GuessRecord> {
+        self.records.take().unwrap_or_default()
     }
 }
 
@@ -44,17 +70,33 @@ impl Drafter for MedusaDrafter<'_> {
     fn draft(&mut self, verified: &Verified, _: &mut Sampler) -> Result<DraftTree> {
         let rows = verified.hidden.size()[0];
         let last = verified.hidden.get(rows - 1);
-        let guesses = self
-            .choices
-            .ranks_per_depth()
-            .into_iter()
-            .enumerate()
-            .map(|(k, ranks)| {
+        let recording = self.records.is_some();
+        let heads = if recording {
+            self.heads.config.num_heads
+        } else {
+            self.choices.depth()
+        };
+        let ranks = self.choices.ranks_per_depth();
+        let guesses = (0..heads)
+            .map(|k| {
                 let logits = self.heads.head(k, &last)?;
-                Ok(top_tokens(&logits, ranks, self.d2t.as_deref()))
+                let wanted = ranks.get(k).copied().unwrap_or(0);
+                let count = if recording {
+                    wanted.max(RECORDED_RANKS)
+                } else {
+                    wanted
+                };
+                Ok(top_tokens(&logits, count, self.d2t.as_deref()))
             })
             .collect::<Result<Vec<_>>>()?;
-        Ok(self.choices.build(&guesses))
+        let tree = self.choices.build(&guesses);
+        if let Some(records) = &mut self.records {
+            records.push(GuessRecord {
+                root: verified.context.len() - 1,
+                guesses,
+            });
+        }
+        Ok(tree)
     }
 
     fn max_tree_tokens(&self) -> usize {

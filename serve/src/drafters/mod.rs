@@ -9,9 +9,9 @@ mod lookup;
 mod medusa;
 
 pub use draft_model::DraftModelDrafter;
-pub use eagle::{EagleDrafter, EagleTreeShape};
+pub use eagle::{best_subtree, Candidate, DraftRecord, EagleDrafter, EagleTreeShape};
 pub use lookup::LookupDrafter;
-pub use medusa::MedusaDrafter;
+pub use medusa::{GuessRecord, MedusaDrafter, RECORDED_RANKS};
 
 use headway_model::Sampler;
 use tch::Tensor;

@@ -1,0 +1,478 @@
+//! `--tree-tokens auto`: pick the tree that maximises predicted tokens per second on this device.
+//!
+//! 1. Measure the target's forward latency for 1…64 new tokens after a prefix (on a GPU nearly
+//!    flat, on a CPU nearly linear: this is what decides how wide a tree may be).
+//! 2. Decode a few warm-up prompts greedily with the widest tree while recording what the
+//!    drafter proposed at every step, and time the drafter.
+//! 3. Replay the recorded steps against the tokens that were finally emitted (greedy decoding's
+//!    output is fixed, so the right token at every depth is known) to estimate the accepted length
+//!    of every smaller tree: EAGLE shapes (depth, top-k, tree tokens) by re-selecting from the
+//!    recorded candidates, Medusa trees built from the heads' measured per-rank accuracies.
+//! 4. Predicted tokens/s = (1 + accepted) / (target latency of 1 + tree tokens + drafting time).
+//!
+//! The replay is exact for EAGLE shapes whose expanded nodes the wide run also expanded, and
+//! treats the rare others as unexpanded (a slight underestimate).
+
+use std::time::Instant;
+
+use headway_heads::{EagleHead, MedusaHeads};
+use headway_model::mask::{positions, tree_mask};
+use headway_model::{ForwardInput, KvCache, Sampler, SamplingParams, Target};
+use tch::Tensor;
+
+use crate::acceptance::Acceptance;
+use crate::drafters::{
+    best_subtree, Candidate, DraftRecord, EagleDrafter, EagleTreeShape, GuessRecord, MedusaDrafter,
+};
+use crate::engine::generate_speculative;
+use crate::error::Result;
+use crate::tree::{DraftTree, TreeChoices};
+
+/// Tree sizes tried.
+const TREE_SIZES: [usize; 11] = [1, 2, 4, 6, 8, 12, 16, 24, 32, 48, 64];
+
+/// Target forward seconds by number of new tokens.
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct LatencyProfile {
+    pub tokens: Vec<usize>,
+    pub seconds: Vec<f64>,
+}
+
+impl LatencyProfile {
+    /// Median of `reps` forwards of each size in [`TREE_SIZES`] (+1 for the root) after a
+    /// `prefix`-token prompt.
+    pub fn measure(target: &Target, prefix: usize, reps: usize) -> Result<Self> {
+        let _no_grad = tch::no_grad_guard();
+        let config = target.model.config();
+        let largest = TREE_SIZES[TREE_SIZES.len() - 1] + 1;
+        let mut cache = KvCache::new(config, 1, prefix + largest, target.kind, target.device)?;
+        let ids = |n: usize| {
+            let ids: Vec<i64> = (0..n).map(|i| (100 + i % 1000) as i64).collect();
+            Tensor::from_slice(&ids)
+                .unsqueeze(0)
+                .to_device(target.device)
+        };
+        let forward = |cache: &mut KvCache, n: usize, mask: Option<&Tensor>| -> Result<f64> {
+            let start = Instant::now();
+            let input = ForwardInput {
+                input_ids: &ids(n),
+                positions: &positions(cache.len(), n, target.device),
+                mask,
+                taps: &[],
+            };
+            let hidden = target.model.model.forward(&input, Some(cache))?.hidden;
+            let _ = Vec::<f32>::try_from(
+                target
+                    .model
+                    .lm_head
+                    .forward(&hidden.get(0))
+                    .sum(tch::Kind::Float)
+                    .view([1]),
+            )?;
+            Ok(start.elapsed().as_secs_f64())
+        };
+        forward(&mut cache, prefix, None)?;
+        let mut profile = Self {
+            tokens: Vec::new(),
+            seconds: Vec::new(),
+        };
+        for size in TREE_SIZES {
+            let n = size + 1;
+            // A chain-shaped tree mask: the same work as any tree of this size.
+            let parents: Vec<Option<usize>> = (0..n).map(|i| i.checked_sub(1)).collect();
+            let mask = tree_mask(prefix, &parents, target.device)?;
+            let mut times = Vec::with_capacity(reps);
+            for _ in 0..reps.max(1) {
+                times.push(forward(&mut cache, n, Some(&mask))?);
+                cache.truncate(prefix)?;
+            }
+            times.sort_by(f64::total_cmp);
+            profile.tokens.push(n);
+            profile.seconds.push(times[times.len() / 2]);
+        }
+        Ok(profile)
+    }
+
+    /// Seconds for `n` new tokens (linear between measured sizes).
+    pub fn at(&self, n: usize) -> f64 {
+        let i = self.tokens.partition_point(|&t| t < n);
+        match (i.checked_sub(1), self.tokens.get(i)) {
+            (_, Some(&t)) if t == n => self.seconds[i],
+            (Some(lo), Some(&hi)) => {
+                let (t0, s0) = (self.tokens[lo] as f64, self.seconds[lo]);
+                s0 + (self.seconds[i] - s0) * (n as f64 - t0) / (hi as f64 - t0)
+            }
+            (None, _) => self.seconds[0],
+            (Some(_), None) => *self.seconds.last().expect("measured"),
+        }
+    }
+}
+
+/// One candidate tree and its prediction.
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct Prediction {
+    pub description: String,
+    pub tree_tokens: usize,
+    /// Mean accepted draft tokens per step in the replay.
+    pub accepted: f64,
+    pub step_seconds: f64,
+    pub tokens_per_s: f64,
+}
+
+/// The tuned tree and what was predicted for it (and for plain decoding).
+#[derive(Debug, Clone)]
+pub struct Tuned {
+    pub eagle: Option<EagleTreeShape>,
+    pub medusa: Option<TreeChoices>,
+    pub best: Prediction,
+    pub ar_tokens_per_s: f64,
+    /// The best few, best first.
+    pub ranking: Vec<Prediction>,
+}
+
+impl Tuned {
+    /// A few lines for the log.
+    pub fn describe(&self) -> String {
+        let mut out = format!(
+            "tree auto-tuning (predicted; plain decoding {:.1} tokens/s):\n",
+            self.ar_tokens_per_s
+        );
+        for p in &self.ranking {
+            out.push_str(&format!(
+                "  {:<40} accepted {:.2}/step, τ {:.2}, {:.1} tokens/s ({:.2}× ar)\n",
+                p.description,
+                p.accepted,
+                1.0 + p.accepted,
+                p.tokens_per_s,
+                p.tokens_per_s / self.ar_tokens_per_s
+            ));
+        }
+        out
+    }
+}
+
+/// Greedy warm-up decoding of `prompt`: the final token sequence (prompt + output), drafting
+/// seconds and steps.
+fn warm_up(
+    target: &Target,
+    drafter: &mut dyn crate::drafters::Drafter,
+    prompt: &[u32],
+    new_tokens: usize,
+) -> Result<(Vec<u32>, f64, usize)> {
+    let mut sampler = Sampler::new(SamplingParams::default());
+    let out = generate_speculative(
+        target,
+        drafter,
+        prompt,
+        new_tokens,
+        Acceptance::Lossless,
+        &mut sampler,
+        &mut |_| {},
+    )?;
+    let draft_seconds = out.steps.iter().map(|s| s.draft_seconds).sum();
+    let sequence = prompt
+        .iter()
+        .chain(&out.generation.tokens)
+        .copied()
+        .collect();
+    Ok((sequence, draft_seconds, out.steps.len()))
+}
+
+/// Accepted length of `tree` when the right continuation after the root is `truth`.
+fn accepted_length(tree: &DraftTree, truth: &[u32]) -> usize {
+    let mut parent = None;
+    let mut accepted = 0;
+    while let Some(&want) = truth.get(accepted) {
+        match tree
+            .children(parent)
+            .find(|&c| tree.nodes()[c].token == want)
+        {
+            Some(c) => {
+                parent = Some(c);
+                accepted += 1;
+            }
+            None => break,
+        }
+    }
+    accepted
+}
+
+/// The candidates an EAGLE drafter of `shape` would have drafted, re-selected from a wider
+/// recorded step (children are recorded best first, so narrower top-k keeps a prefix of them).
+fn replay_candidates(record: &DraftRecord, depth: usize, top_k: usize) -> Vec<Candidate> {
+    let all = &record.candidates;
+    let children = |parent: Option<usize>| -> Vec<usize> {
+        (0..all.len())
+            .filter(|&i| all[i].parent == parent)
+            .take(top_k)
+            .collect()
+    };
+    let mut kept: Vec<usize> = children(None);
+    let mut newest = kept.clone();
+    for _ in 1..depth {
+        newest.sort_by(|&a, &b| all[b].score.total_cmp(&all[a].score));
+        newest.truncate(top_k);
+        newest = newest
+            .iter()
+            .filter(|&&c| all[c].expanded())
+            .flat_map(|&c| children(Some(c)))
+            .collect();
+        kept.extend(&newest);
+    }
+    kept.sort_unstable();
+    let mut index = vec![usize::MAX; all.len()];
+    kept.iter()
+        .enumerate()
+        .map(|(i, &c)| {
+            index[c] = i;
+            all[c].with_parent(all[c].parent.map(|p| index[p]))
+        })
+        .collect()
+}
+
+fn prediction(
+    description: String,
+    tree_tokens: usize,
+    accepted: f64,
+    step_seconds: f64,
+) -> Prediction {
+    Prediction {
+        description,
+        tree_tokens,
+        accepted,
+        step_seconds,
+        tokens_per_s: (1.0 + accepted) / step_seconds,
+    }
+}
+
+/// The best option, the best few predictions (best first) and plain decoding's tokens/s.
+fn finish<T>(
+    mut options: Vec<(Prediction, T)>,
+    latency: &LatencyProfile,
+) -> (T, Vec<Prediction>, f64) {
+    options.sort_by(|a, b| b.0.tokens_per_s.total_cmp(&a.0.tokens_per_s));
+    let ranking = options.iter().take(5).map(|o| o.0.clone()).collect();
+    let best = options.into_iter().next().expect("at least one option").1;
+    (best, ranking, 1.0 / latency.at(1))
+}
+
+/// Tunes EAGLE's tree shape (depth ≤ `max.depth`, top-k ≤ `max.top_k`, tree tokens ≤
+/// `max.tree_tokens`) on this device.
+pub fn tune_eagle(
+    target: &Target,
+    head: &EagleHead,
+    d2t: Option<Vec<u32>>,
+    max: EagleTreeShape,
+    prompts: &[Vec<u32>],
+    new_tokens: usize,
+) -> Result<Tuned> {
+    let longest = prompts.iter().map(Vec::len).max().unwrap_or(0);
+    let latency = LatencyProfile::measure(target, longest.max(64), 3)?;
+    let mut drafter = EagleDrafter::new(head, d2t, max, longest + new_tokens + 1)?;
+    let (mut steps, mut draft_seconds) = (Vec::new(), 0.0);
+    for prompt in prompts {
+        drafter.record();
+        let (sequence, seconds, _) = warm_up(target, &mut drafter, prompt, new_tokens)?;
+        draft_seconds += seconds;
+        for record in drafter.take_records() {
+            let truth = sequence[record.root + 1..].to_vec();
+            steps.push((record, truth));
+        }
+    }
+    let per_depth = draft_seconds / steps.len().max(1) as f64 / max.depth as f64;
+    let mut options = Vec::new();
+    for depth in 1..=max.depth {
+        for top_k in [1, 2, 4, 8, 16].into_iter().filter(|&k| k <= max.top_k) {
+            let replays: Vec<(Vec<Candidate>, &[u32])> = steps
+                .iter()
+                .map(|(r, truth)| (replay_candidates(r, depth, top_k), truth.as_slice()))
+                .collect();
+            for tree_tokens in TREE_SIZES.into_iter().filter(|&n| n <= max.tree_tokens) {
+                let accepted: usize = replays
+                    .iter()
+                    .map(|(c, truth)| accepted_length(&best_subtree(c, tree_tokens), truth))
+                    .sum();
+                let shape = EagleTreeShape {
+                    depth,
+                    top_k,
+                    tree_tokens,
+                };
+                let predicted = prediction(
+                    format!("depth {depth}, top-k {top_k}, {tree_tokens} tokens"),
+                    tree_tokens,
+                    accepted as f64 / replays.len().max(1) as f64,
+                    latency.at(tree_tokens + 1) + depth as f64 * per_depth,
+                );
+                options.push((predicted, shape));
+            }
+        }
+    }
+    let (shape, ranking, ar_tokens_per_s) = finish(options, &latency);
+    Ok(Tuned {
+        eagle: Some(shape),
+        medusa: None,
+        best: ranking[0].clone(),
+        ar_tokens_per_s,
+        ranking,
+    })
+}
+
+/// Tunes the size of a Medusa tree built from the heads' per-rank accuracies, measured while
+/// decoding the warm-up prompts.
+pub fn tune_medusa(
+    target: &Target,
+    heads: &MedusaHeads,
+    d2t: Option<Vec<u32>>,
+    max_tree_tokens: usize,
+    prompts: &[Vec<u32>],
+    new_tokens: usize,
+) -> Result<Tuned> {
+    let longest = prompts.iter().map(Vec::len).max().unwrap_or(0);
+    let latency = LatencyProfile::measure(target, longest.max(64), 3)?;
+    let mut drafter = MedusaDrafter::new(heads, d2t, TreeChoices::chain(1))?;
+    let (mut steps, mut draft_seconds, mut step_count) = (Vec::new(), 0.0, 0);
+    for prompt in prompts {
+        drafter.record();
+        let (sequence, seconds, count) = warm_up(target, &mut drafter, prompt, new_tokens)?;
+        draft_seconds += seconds;
+        step_count += count;
+        for record in drafter.take_records() {
+            let truth = sequence[record.root + 1..].to_vec();
+            steps.push((record, truth));
+        }
+    }
+    let accuracy = rank_accuracy(&steps);
+    let draft_step = draft_seconds / step_count.max(1) as f64;
+    let mut options = Vec::new();
+    for tree_tokens in TREE_SIZES.into_iter().filter(|&n| n <= max_tree_tokens) {
+        let choices = TreeChoices::from_accuracies(&accuracy, tree_tokens);
+        // Expected accepted length: each path is accepted with the product of its accuracies.
+        let accepted: f64 = choices
+            .paths()
+            .iter()
+            .map(|path| {
+                path.iter()
+                    .enumerate()
+                    .map(|(d, &r)| accuracy[d][r])
+                    .product::<f64>()
+            })
+            .sum();
+        let predicted = prediction(
+            format!("{tree_tokens} tokens from measured head accuracies"),
+            tree_tokens,
+            accepted,
+            latency.at(tree_tokens + 1) + draft_step,
+        );
+        options.push((predicted, choices));
+    }
+    let (choices, ranking, ar_tokens_per_s) = finish(options, &latency);
+    Ok(Tuned {
+        eagle: None,
+        medusa: Some(choices),
+        best: ranking[0].clone(),
+        ar_tokens_per_s,
+        ranking,
+    })
+}
+
+/// `accuracy[d][r]`: how often head d's rank-r guess was the token finally emitted there
+/// (`truth` is the emitted continuation after the step's root).
+pub fn rank_accuracy(steps: &[(GuessRecord, Vec<u32>)]) -> Vec<Vec<f64>> {
+    let heads = steps.first().map_or(0, |s| s.0.guesses.len());
+    let ranks = crate::drafters::RECORDED_RANKS;
+    let mut hits = vec![vec![0usize; ranks]; heads];
+    let mut seen = vec![0usize; heads];
+    for (record, truth) in steps {
+        for (d, guesses) in record.guesses.iter().enumerate() {
+            let Some(&right) = truth.get(d) else {
+                continue;
+            };
+            seen[d] += 1;
+            if let Some(r) = guesses.iter().take(ranks).position(|&g| g == right) {
+                hits[d][r] += 1;
+            }
+        }
+    }
+    hits.iter()
+        .zip(&seen)
+        .map(|(h, &n)| h.iter().map(|&x| x as f64 / n.max(1) as f64).collect())
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::drafters::{Drafter, Verified};
+    use headway_heads::EagleConfig;
+    use headway_model::testing::tiny_config;
+    use tch::{Device, Kind};
+
+    #[test]
+    fn latency_interpolates_between_measured_sizes() {
+        let profile = LatencyProfile {
+            tokens: vec![1, 3, 5],
+            seconds: vec![1.0, 2.0, 4.0],
+        };
+        assert_eq!(profile.at(1), 1.0);
+        assert_eq!(profile.at(2), 1.5);
+        assert_eq!(profile.at(4), 3.0);
+        assert_eq!(profile.at(9), 4.0);
+    }
+
+    #[test]
+    fn rank_accuracy_counts_where_each_head_was_right() {
+        let record = |guesses: Vec<Vec<u32>>| GuessRecord { root: 0, guesses };
+        let steps = vec![
+            (record(vec![vec![5, 6], vec![7, 8]]), vec![5, 8]),
+            (record(vec![vec![1, 2], vec![3, 4]]), vec![2, 9]),
+        ];
+        let accuracy = rank_accuracy(&steps);
+        assert_eq!(accuracy[0][..2], [0.5, 0.5]);
+        assert_eq!(accuracy[1][..2], [0.0, 0.5]);
+    }
+
+    /// Re-selecting a narrower, shallower EAGLE tree from a wide recorded step gives the tree
+    /// that drafting with the narrow shape gives.
+    #[test]
+    fn replayed_candidates_equal_drafting_with_the_smaller_shape() {
+        let _no_grad = tch::no_grad_guard();
+        tch::manual_seed(9);
+        let config = tiny_config();
+        let embed = Tensor::randn(
+            [config.vocab_size as i64, config.hidden_size as i64],
+            (Kind::Float, Device::Cpu),
+        );
+        let mut head = EagleHead::new(EagleConfig::for_target(&config), &embed, &embed).unwrap();
+        head.params.freeze();
+        let context: Vec<u32> = vec![3, 17, 40, 2, 99, 5, 6];
+        let hidden = Tensor::randn([6, config.hidden_size as i64], (Kind::Float, Device::Cpu));
+        let verified = Verified {
+            context: &context,
+            hidden: &hidden,
+        };
+        let mut sampler = Sampler::new(SamplingParams::default());
+        let wide = EagleTreeShape {
+            depth: 4,
+            top_k: 4,
+            tree_tokens: 64,
+        };
+        let mut drafter = EagleDrafter::new(&head, None, wide, 32).unwrap();
+        drafter.record();
+        drafter.draft(&verified, &mut sampler).unwrap();
+        let record = drafter.take_records().remove(0);
+        for (depth, top_k, size) in [(3, 2, 5), (4, 4, 10), (2, 1, 2)] {
+            let narrow = EagleTreeShape {
+                depth,
+                top_k,
+                tree_tokens: size,
+            };
+            let tokens = |t: &DraftTree| -> Vec<(u32, Option<usize>)> {
+                t.nodes().iter().map(|n| (n.token, n.parent)).collect()
+            };
+            let mut direct = EagleDrafter::new(&head, None, narrow, 32).unwrap();
+            let drafted = direct.draft(&verified, &mut sampler).unwrap();
+            let replayed = best_subtree(&replay_candidates(&record, depth, top_k), size);
+            assert_eq!(tokens(&replayed), tokens(&drafted), "{narrow:?}");
+        }
+    }
+}
