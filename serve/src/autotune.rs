@@ -167,7 +167,7 @@ fn warm_up(
         new_tokens,
         Acceptance::Lossless,
         &mut sampler,
-        &mut |_| {},
+        &mut |_| true,
     )?;
     let draft_seconds = out.steps.iter().map(|s| s.draft_seconds).sum();
     let sequence = prompt

@@ -196,7 +196,7 @@ pub fn run_method(
             8,
             options.acceptance,
             &mut sampler,
-            &mut |_| {},
+            &mut |_| true,
         )?;
     }
     let mut run = MethodRun {
@@ -225,7 +225,7 @@ pub fn run_method(
                 options.max_new_tokens,
                 options.acceptance,
                 &mut sampler,
-                &mut |_| {},
+                &mut |_| true,
             )?;
             for step in &out.steps {
                 run.depths.add(step.tree_depth, step.accepted());

@@ -235,8 +235,9 @@ impl SpecGeneration {
 }
 
 /// Generates up to `max_new_tokens` after `prompt_ids` with `drafter`, streaming text through
-/// `on_text`. Output is exactly plain decoding's: tokens past a stop token or `max_new_tokens`
-/// in the last step are dropped.
+/// `on_text`, which returns `false` to stop generation (ends with [`StopReason::Cancelled`]).
+/// Output is exactly plain decoding's: tokens past a stop token or `max_new_tokens` in the last
+/// step are dropped.
 pub fn generate_speculative(
     target: &Target,
     drafter: &mut dyn Drafter,
@@ -244,7 +245,7 @@ pub fn generate_speculative(
     max_new_tokens: usize,
     acceptance: Acceptance,
     sampler: &mut Sampler,
-    on_text: &mut dyn FnMut(&str),
+    on_text: &mut dyn FnMut(&str) -> bool,
 ) -> Result<SpecGeneration> {
     let start = Instant::now();
     drafter.reset();
@@ -302,7 +303,7 @@ impl Emitter<'_> {
         &mut self,
         token: u32,
         stream: &mut headway_model::tokenizer::TokenStream,
-        on_text: &mut dyn FnMut(&str),
+        on_text: &mut dyn FnMut(&str) -> bool,
     ) -> Result<()> {
         if self.tokens.len() >= self.max_new_tokens {
             self.stop_reason = Some(StopReason::Length);
@@ -312,8 +313,10 @@ impl Emitter<'_> {
         if self.target.stop_ids.contains(&token) {
             self.stop_reason = Some(StopReason::Eos);
         } else if let Some(piece) = stream.step(token)? {
-            on_text(&piece);
             self.text.push_str(&piece);
+            if !on_text(&piece) {
+                self.stop_reason = Some(StopReason::Cancelled);
+            }
         }
         if self.stop_reason.is_none() && self.tokens.len() >= self.max_new_tokens {
             self.stop_reason = Some(StopReason::Length);

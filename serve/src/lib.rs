@@ -11,6 +11,7 @@ pub mod bench;
 pub mod drafters;
 pub mod engine;
 pub mod error;
+pub mod http;
 pub mod methods;
 pub mod plot;
 pub mod tree;

@@ -14,6 +14,8 @@ use headway_serve::bench::{
 };
 use headway_serve::drafters::NoDrafter;
 use headway_serve::engine::generate_speculative;
+use headway_serve::http::load::LoadArgs;
+use headway_serve::http::HttpArgs;
 use headway_serve::methods::{DraftArgs, DraftResources, Method};
 use headway_serve::plot::svg;
 
@@ -36,6 +38,12 @@ enum Command {
     /// Measure a decoding method over Spec-Bench questions against plain decoding: τ, acceptance
     /// per depth, tokens/s and speedup, per category and overall.
     Bench(BenchArgs),
+    /// Serve the target (with speculative decoding) behind an OpenAI-compatible HTTP API:
+    /// /v1/chat/completions, /v1/completions, /v1/models, /health, /metrics.
+    Http(HttpArgs),
+    /// A bounded load run against a running server: latency and time-to-first-token
+    /// percentiles, tokens/s and errors.
+    Load(LoadArgs),
     /// List the prompts whose outputs differ between two `bench --json` reports (a losslessness
     /// check: greedy speculative decoding must match `ar` exactly). Exits 1 if any differ.
     Compare(CompareArgs),
@@ -103,7 +111,10 @@ struct CompareArgs {
 
 fn main() -> ExitCode {
     tracing_subscriber::fmt()
-        .with_env_filter(tracing_subscriber::EnvFilter::from_default_env())
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env()
+                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),
+        )
         .with_writer(std::io::stderr)
         .init();
     match run(Cli::parse()) {
@@ -120,6 +131,8 @@ fn run(cli: Cli) -> anyhow::Result<()> {
         Command::Generate(args) => run_generate(args),
         Command::Bench(args) => run_bench(args),
         Command::Compare(args) => run_compare(args),
+        Command::Http(args) => headway_serve::http::run(args),
+        Command::Load(args) => headway_serve::http::load::run(args),
     }
 }
 
@@ -157,6 +170,7 @@ fn run_generate(args: GenerateArgs) -> anyhow::Result<()> {
             let _ = stdout
                 .write_all(piece.as_bytes())
                 .and_then(|()| stdout.flush());
+            true
         },
     )?;
     println!();

@@ -145,7 +145,7 @@ fn speculative_tokens(
         new_tokens,
         Acceptance::Lossless,
         &mut greedy(),
-        &mut |_| {},
+        &mut |_| true,
     )
     .unwrap();
     (out.generation.tokens.clone(), out.tau())
@@ -377,7 +377,7 @@ fn speculative_sampling_keeps_the_target_distribution_and_typical_acceptance_doe
                     FIRST_TOKENS,
                     acceptance,
                     sampler,
-                    &mut |_| {},
+                    &mut |_| true,
                 )
                 .unwrap()
                 .generation
