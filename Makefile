@@ -1,5 +1,6 @@
 # Headway set-up and checks. Two commands matter on a fresh machine:
-#   make demo   prepare the embedded default target (SmolLM2-135M-Instruct) and answer a chat prompt
+#   make demo   the whole pipeline on the embedded default target (SmolLM2-135M-Instruct): prepare
+#               features, train EAGLE and Medusa heads, bench them, serve and answer a chat request
 #   make test   everything `cargo test` checks, fmt and clippy included
 # Caches live outside the checkout (HEADWAY_HOME, default ~/.cache/headway) and are reused:
 # the torch venv, the converted model and the cargo target directory.
@@ -22,11 +23,10 @@ export HEADWAY_HOME
 export CARGO_TARGET_DIR ?= $(HEADWAY_HOME)/target
 BIN := $(CARGO_TARGET_DIR)/release
 
-.PHONY: demo test build venv model data openai-client ref-env fixtures bench bench-prepare bench-train clean-cache
+.PHONY: demo test build venv model data openai-client ref-env fixtures bench bench-spec bench-prepare bench-train clean-cache
 
-demo: model build
-	$(BIN)/headway-serve generate --chat --max-new-tokens 128 \
-		--prompt "Explain in three sentences why the sky is blue."
+demo: model data build
+	BIN=$(BIN) QUESTIONS=$(QUESTIONS) scripts/demo.sh
 
 test: model openai-client
 	cargo fmt --all -- --check
@@ -73,11 +73,19 @@ fixtures: ref-env
 	$(PYTHON) scripts/make_architecture_fixtures.py
 
 bench: model build ref-env
-	$(BIN)/headway-serve bench --method ar --threads 2 --questions $(QUESTIONS) --json bench-ar.json
+	$(BIN)/headway-serve bench --method ar --threads 2 --questions $(QUESTIONS) --limit 8 --turns 1 \
+		--max-new-tokens 128 --json bench-ar.json
 	$(PYTHON) scripts/bench_transformers.py --threads 2 --questions $(QUESTIONS) --json bench-transformers.json
 	$(PYTHON) scripts/compare_token_ids.py bench-ar.json bench-transformers.json
 
 # prepare throughput on 200 ShareGPT conversations against the same forward in PyTorch.
+# Speculative decoding on Spec-Bench with the committed EAGLE head (pretrained/), against plain
+# decoding in the same run; writes bench-eagle.json, .md and .svg.
+bench-spec: model build
+	$(BIN)/headway-serve bench --method eagle --heads pretrained/smollm2-135m-eagle --threads 2 \
+		--questions $(QUESTIONS) --limit 48 --turns 2 --max-new-tokens 128 --tree-tokens auto \
+		--json bench-eagle.json
+
 PREPARE_BENCH_DIR ?= /tmp/headway-bench-prepare
 bench-prepare: model data build ref-env
 	rm -rf $(PREPARE_BENCH_DIR)

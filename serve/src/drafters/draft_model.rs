@@ -40,6 +40,8 @@ impl<'m> DraftModelDrafter<'m> {
                 ),
             });
         }
+        // The chain runs up to `num_tokens` past the context.
+        let capacity = capacity + num_tokens;
         let cache = KvCache::new(model.model.config(), 1, capacity, model.kind, model.device)?;
         Ok(Self {
             model,
