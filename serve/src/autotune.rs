@@ -39,8 +39,8 @@ pub struct LatencyProfile {
 }
 
 impl LatencyProfile {
-    /// Median of `reps` forwards of each size in [`TREE_SIZES`] (+1 for the root) after a
-    /// `prefix`-token prompt.
+    /// Median of `reps` forwards of one token (plain decoding: causal, no mask) and of each tree
+    /// size in [`TREE_SIZES`] (+1 for the root, tree-masked) after a `prefix`-token prompt.
     pub fn measure(target: &Target, prefix: usize, reps: usize) -> Result<Self> {
         let _no_grad = tch::no_grad_guard();
         let config = target.model.config();
@@ -76,14 +76,17 @@ impl LatencyProfile {
             tokens: Vec::new(),
             seconds: Vec::new(),
         };
-        for size in TREE_SIZES {
+        for size in std::iter::once(0).chain(TREE_SIZES) {
             let n = size + 1;
-            // A chain-shaped tree mask: the same work as any tree of this size.
+            // A chain-shaped tree mask: the same work as any tree of this size. Plain decoding
+            // (no tree) runs without a mask, as it does in the engine.
             let parents: Vec<Option<usize>> = (0..n).map(|i| i.checked_sub(1)).collect();
-            let mask = tree_mask(prefix, &parents, target.device)?;
+            let mask = (size > 0)
+                .then(|| tree_mask(prefix, &parents, target.device))
+                .transpose()?;
             let mut times = Vec::with_capacity(reps);
             for _ in 0..reps.max(1) {
-                times.push(forward(&mut cache, n, Some(&mask))?);
+                times.push(forward(&mut cache, n, mask.as_ref())?);
                 cache.truncate(prefix)?;
             }
             times.sort_by(f64::total_cmp);
@@ -137,6 +140,11 @@ impl Tuned {
             "tree auto-tuning (predicted; plain decoding {:.1} tokens/s):\n",
             self.ar_tokens_per_s
         );
+        if self.best.tokens_per_s < self.ar_tokens_per_s {
+            out.push_str(
+                "  warning: plain decoding is predicted faster than any tree on this device (use --method ar)\n",
+            );
+        }
         for p in &self.ranking {
             out.push_str(&format!(
                 "  {:<40} accepted {:.2}/step, τ {:.2}, {:.1} tokens/s ({:.2}× ar)\n",
