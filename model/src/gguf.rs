@@ -93,7 +93,7 @@ pub fn convert_gguf(gguf: &Path, out_dir: &Path, dtype: OutputDtype) -> Result<C
         arch.hf_class()
     );
     let converted = tensors::convert(&mut file, &plans, dtype)?;
-    let written = write_outputs(out_dir, &config, &tokenizer, &converted.tensors, gguf)?;
+    let written = write_outputs(out_dir, &config, &tokenizer, &converted.tensors)?;
     Ok(ConvertSummary {
         architecture: arch.hf_class().to_string(),
         tensors: converted.tensors.len(),
@@ -111,7 +111,6 @@ fn write_outputs(
     config: &hf_config::ConfigJson,
     tokenizer: &tokenizer::TokenizerFiles,
     tensors: &BTreeMap<String, tensors::OutputTensor>,
-    source: &Path,
 ) -> Result<Vec<(PathBuf, u64)>> {
     std::fs::create_dir_all(out_dir).map_err(|e| ModelError::io(out_dir, e))?;
     let tokenizer_json = tokenizer
@@ -129,7 +128,7 @@ fn write_outputs(
     let tokenizer_config_bytes = write_json(&tokenizer_config_path, &tokenizer.config)?;
     let tokenizer_bytes = write_bytes_atomically(&tokenizer_path, tokenizer_json.as_bytes())?;
     check_tokenizer_reloads(&tokenizer_path, &tokenizer_json)?;
-    let weights_bytes = write_safetensors(&weights_path, tensors, source)?;
+    let weights_bytes = write_safetensors(&weights_path, tensors)?;
     Ok(vec![
         (config_path, config_bytes),
         (tokenizer_config_path, tokenizer_config_bytes),
@@ -173,20 +172,11 @@ fn write_json(path: &Path, value: &impl Serialize) -> Result<u64> {
 fn write_safetensors(
     path: &Path,
     tensors: &BTreeMap<String, tensors::OutputTensor>,
-    source: &Path,
 ) -> Result<u64> {
-    // transformers refuses safetensors files whose `format` is not one of its frameworks.
-    let metadata = HashMap::from([
-        ("format".to_string(), "pt".to_string()),
-        (
-            "converted_from".to_string(),
-            source
-                .file_name()
-                .unwrap_or_default()
-                .to_string_lossy()
-                .into_owned(),
-        ),
-    ]);
+    // transformers refuses safetensors files whose `format` is not one of its frameworks. One key
+    // only: the safetensors header lists metadata in HashMap order, so a second key would make
+    // the file's bytes (and the target fingerprint that heads are tied to) vary between runs.
+    let metadata = HashMap::from([("format".to_string(), "pt".to_string())]);
     write_atomically(path, |_, temp_path| {
         safetensors::serialize_to_file(tensors, Some(metadata), temp_path).map_err(|e| {
             ModelError::Safetensors {
