@@ -24,8 +24,29 @@ fn every_subcommand_explains_its_flags() {
         (
             "headway-serve",
             "bench",
-            &["--method", "--questions", "--prompts", "--json"][..],
+            &[
+                "--method",
+                "--heads",
+                "--questions",
+                "--limit",
+                "--turns",
+                "--tree-tokens",
+                "--json",
+            ][..],
         ),
+        (
+            "headway-serve",
+            "http",
+            &[
+                "--method",
+                "--host",
+                "--port",
+                "--api-key",
+                "--max-queue",
+                "--max-context",
+            ][..],
+        ),
+        ("headway-serve", "compare", &["<FIRST>", "<SECOND>"][..]),
         (
             "headway-train",
             "convert",
@@ -154,7 +175,7 @@ fn bench_writes_the_documented_json_fields() {
             "ar",
             "--questions",
             questions.to_str().unwrap(),
-            "--prompts",
+            "--limit",
             "3",
             "--max-new-tokens",
             "5",
@@ -165,10 +186,17 @@ fn bench_writes_the_documented_json_fields() {
     assert!(out.status.success(), "{}", stderr(&out));
     let report: serde_json::Value =
         serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
-    for key in ["method", "prompts", "new_tokens", "seconds", "tokens_per_s"] {
+    for key in [
+        "method",
+        "tau",
+        "tokens_per_s",
+        "speedup_vs_ar",
+        "per_category",
+    ] {
         assert!(report.get(key).is_some(), "missing {key} in {report}");
     }
-    assert_eq!(report["prompts"], 3);
+    assert_eq!(report["overall"]["prompts"], 3);
+    assert_eq!(report["tau"], 1.0);
     let ids: Vec<u64> = report["per_prompt"]
         .as_array()
         .unwrap()
