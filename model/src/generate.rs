@@ -44,22 +44,7 @@ pub fn generate(
     sampler: &mut Sampler,
     on_text: &mut dyn FnMut(&str),
 ) -> Result<Generation> {
-    if prompt_ids.is_empty() {
-        return Err(ModelError::Invalid {
-            field: "prompt",
-            message: "the prompt has no tokens".into(),
-        });
-    }
-    let max_context = target.model.config().max_position_embeddings;
-    if prompt_ids.len() + max_new_tokens > max_context {
-        return Err(ModelError::Invalid {
-            field: "max_new_tokens",
-            message: format!(
-                "prompt ({} tokens) + {max_new_tokens} new tokens exceed the model's context of {max_context}",
-                prompt_ids.len()
-            ),
-        });
-    }
+    check_request(target, prompt_ids.len(), max_new_tokens)?;
     let _no_grad = tch::no_grad_guard();
     let start = Instant::now();
     let mut cache = KvCache::new(
@@ -98,6 +83,27 @@ pub fn generate(
         prefill_seconds,
         seconds: start.elapsed().as_secs_f64(),
     })
+}
+
+/// Checks that a request fits `target`: a prompt with tokens, and room in the context for
+/// `max_new_tokens` after it.
+pub fn check_request(target: &Target, prompt_len: usize, max_new_tokens: usize) -> Result<()> {
+    if prompt_len == 0 {
+        return Err(ModelError::Invalid {
+            field: "prompt",
+            message: "the prompt has no tokens".into(),
+        });
+    }
+    let max_context = target.model.config().max_position_embeddings;
+    if prompt_len + max_new_tokens > max_context {
+        return Err(ModelError::Invalid {
+            field: "max_new_tokens",
+            message: format!(
+                "prompt ({prompt_len} tokens) + {max_new_tokens} new tokens exceed the model's context of {max_context}"
+            ),
+        });
+    }
+    Ok(())
 }
 
 /// Runs `new_ids` after the cached prefix and returns the logits (`[vocab]`) at the last one.

@@ -9,12 +9,14 @@
 use std::time::Instant;
 
 use headway_model::mask::{positions, tree_mask};
-use headway_model::{ForwardInput, Generation, KvCache, Sampler, StopReason, Target};
+use headway_model::{
+    check_request, ForwardInput, Generation, KvCache, Sampler, SamplingParams, StopReason, Target,
+};
 use tch::{Kind, Tensor};
 
 use crate::acceptance::{accept_greedy, accept_sampled, accept_typical, Acceptance, Accepted};
 use crate::drafters::{Drafter, Verified};
-use crate::error::{Result, ServeError};
+use crate::error::Result;
 
 /// One verification step's outcome.
 #[derive(Debug, Clone)]
@@ -60,22 +62,7 @@ impl<'t> Session<'t> {
         acceptance: Acceptance,
         sampler: &mut Sampler,
     ) -> Result<Self> {
-        if prompt_ids.is_empty() {
-            return Err(ServeError::Invalid {
-                field: "prompt",
-                message: "the prompt has no tokens".into(),
-            });
-        }
-        let context = target.model.config().max_position_embeddings;
-        if prompt_ids.len() + room > context {
-            return Err(ServeError::Invalid {
-                field: "max_new_tokens",
-                message: format!(
-                    "prompt ({} tokens) + {room} new tokens exceed the model's context of {context}",
-                    prompt_ids.len()
-                ),
-            });
-        }
+        check_request(target, prompt_ids.len(), room)?;
         let capacity = prompt_ids.len() + room + max_tree_tokens + 1;
         let cache = KvCache::new(
             target.model.config(),
@@ -287,6 +274,25 @@ pub fn generate_speculative(
         },
         steps,
     })
+}
+
+/// Greedy speculative generation with no streaming: what the auto-tuner's warm-up and the
+/// losslessness checks run.
+pub fn generate_greedy(
+    target: &Target,
+    drafter: &mut dyn Drafter,
+    prompt_ids: &[u32],
+    max_new_tokens: usize,
+) -> Result<SpecGeneration> {
+    generate_speculative(
+        target,
+        drafter,
+        prompt_ids,
+        max_new_tokens,
+        Acceptance::Lossless,
+        &mut Sampler::new(SamplingParams::default()),
+        &mut |_| true,
+    )
 }
 
 /// Emits tokens one at a time, applying plain decoding's stop rules.
