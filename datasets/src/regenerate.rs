@@ -185,8 +185,7 @@ fn regenerate_one(
             .iter()
             .map(|t| Message::new(t.role.as_str(), t.content.as_str()))
             .collect();
-        let prompt = target.chat_prompt(&messages)?;
-        let prompt_ids = target.tokenizer.encode(&prompt, false)?;
+        let prompt_ids = target.chat_prompt_ids(&messages)?;
         let budget = settings
             .max_new_tokens
             .min(context.saturating_sub(prompt_ids.len()));

@@ -389,11 +389,7 @@ fn regeneration_uses_the_targets_own_replies_and_resumes_after_a_torn_line() {
         .take_while(|m| m["role"] != "assistant")
         .map(|m| Message::new(m["role"].as_str().unwrap(), m["content"].as_str().unwrap()))
         .collect();
-    let ids = f
-        .target
-        .tokenizer
-        .encode(&f.target.chat_prompt(&prompt).unwrap(), false)
-        .unwrap();
+    let ids = f.target.chat_prompt_ids(&prompt).unwrap();
     let mut sampler = Sampler::new(SamplingParams::default());
     let reply = generate(&f.target, &ids, 12, &mut sampler, &mut |_| {}).unwrap();
     let stored = first

@@ -161,6 +161,11 @@ impl Target {
         })?;
         template.render(messages, true)
     }
+
+    /// Token ids of [`Target::chat_prompt`] (the template writes the special tokens itself).
+    pub fn chat_prompt_ids(&self, messages: &[Message]) -> Result<Vec<u32>> {
+        self.tokenizer.encode(&self.chat_prompt(messages)?, false)
+    }
 }
 
 /// EOS ids from the config plus the end-of-turn tokens of ChatML and Llama 3 when present in the

@@ -187,7 +187,7 @@ pub fn run_method(
     mut progress: impl FnMut(&PromptResult),
 ) -> Result<MethodRun> {
     if let Some(first) = questions.first() {
-        let ids = prompt_ids(target, &[Message::new("user", &first.turns[0])])?;
+        let ids = target.chat_prompt_ids(&[Message::new("user", &first.turns[0])])?;
         let mut sampler = Sampler::new(options.sampling);
         generate_speculative(
             target,
@@ -212,7 +212,7 @@ pub fn run_method(
         let mut messages = Vec::new();
         for (turn, text) in question.turns.iter().take(options.turns).enumerate() {
             messages.push(Message::new("user", text));
-            let ids = prompt_ids(target, &messages)?;
+            let ids = target.chat_prompt_ids(&messages)?;
             // The same seed for a prompt whatever the method, so sampled runs stay comparable.
             let mut sampler = Sampler::new(SamplingParams {
                 seed: options.sampling.seed ^ (question.question_id << 8 | turn as u64),
@@ -242,11 +242,6 @@ pub fn run_method(
     }
     run.mean_tree_depth = depth_sum as f64 / run.steps.max(1) as f64;
     Ok(run)
-}
-
-fn prompt_ids(target: &Target, messages: &[Message]) -> Result<Vec<u32>> {
-    let text = target.chat_prompt(messages)?;
-    Ok(target.tokenizer.encode(&text, false)?)
 }
 
 fn prompt_result(

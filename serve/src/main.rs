@@ -203,10 +203,7 @@ fn run_bench(args: BenchArgs) -> anyhow::Result<()> {
     let warm_up: Vec<Vec<u32>> = questions
         .iter()
         .take(2)
-        .map(|q| {
-            let text = target.chat_prompt(&[Message::new("user", &q.turns[0])])?;
-            target.tokenizer.encode(&text, false)
-        })
+        .map(|q| target.chat_prompt_ids(&[Message::new("user", &q.turns[0])]))
         .collect::<Result<_, _>>()?;
     resources.tune(&args.draft, &target, &warm_up)?;
     if let Some(tuned) = &resources.tuned {

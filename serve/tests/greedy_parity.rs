@@ -28,8 +28,7 @@ fn greedy_64_tokens_match_transformers_on_three_chat_prompts() {
     let fixture: GreedyFixture = serde_json::from_str(&text).unwrap();
     assert!(fixture.cases.len() >= 3 && fixture.max_new_tokens >= 64);
     for case in &fixture.cases {
-        let prompt = target.chat_prompt(&case.messages).unwrap();
-        let prompt_ids = target.tokenizer.encode(&prompt, false).unwrap();
+        let prompt_ids = target.chat_prompt_ids(&case.messages).unwrap();
         assert_eq!(
             prompt_ids, case.prompt_ids,
             "prompt ids of {:?}",
