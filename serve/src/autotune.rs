@@ -17,14 +17,14 @@ use std::time::Instant;
 
 use headway_heads::{EagleHead, MedusaHeads};
 use headway_model::mask::{positions, tree_mask};
-use headway_model::{ForwardInput, KvCache, Sampler, SamplingParams, Target};
+use headway_model::{ForwardInput, KvCache, Target};
 use tch::Tensor;
 
-use crate::acceptance::Acceptance;
 use crate::drafters::{
     best_subtree, Candidate, DraftRecord, EagleDrafter, EagleTreeShape, GuessRecord, MedusaDrafter,
+    Recording,
 };
-use crate::engine::generate_speculative;
+use crate::engine::generate_greedy;
 use crate::error::Result;
 use crate::tree::{DraftTree, TreeChoices};
 
@@ -159,31 +159,42 @@ impl Tuned {
     }
 }
 
-/// Greedy warm-up decoding of `prompt`: the final token sequence (prompt + output), drafting
-/// seconds and steps.
-fn warm_up(
+/// What a recorded warm-up gives: every step's record with the tokens the target emitted after
+/// its root, and the drafter's time.
+struct WarmUp<R> {
+    steps: Vec<(R, Vec<u32>)>,
+    draft_seconds: f64,
+    step_count: usize,
+}
+
+/// Greedy decoding of every prompt with `drafter` recording its drafts.
+fn record_warm_up<D: Recording>(
     target: &Target,
-    drafter: &mut dyn crate::drafters::Drafter,
-    prompt: &[u32],
+    drafter: &mut D,
+    prompts: &[Vec<u32>],
     new_tokens: usize,
-) -> Result<(Vec<u32>, f64, usize)> {
-    let mut sampler = Sampler::new(SamplingParams::default());
-    let out = generate_speculative(
-        target,
-        drafter,
-        prompt,
-        new_tokens,
-        Acceptance::Lossless,
-        &mut sampler,
-        &mut |_| true,
-    )?;
-    let draft_seconds = out.steps.iter().map(|s| s.draft_seconds).sum();
-    let sequence = prompt
-        .iter()
-        .chain(&out.generation.tokens)
-        .copied()
-        .collect();
-    Ok((sequence, draft_seconds, out.steps.len()))
+) -> Result<WarmUp<D::Record>> {
+    let mut warm_up = WarmUp {
+        steps: Vec::new(),
+        draft_seconds: 0.0,
+        step_count: 0,
+    };
+    for prompt in prompts {
+        drafter.record();
+        let out = generate_greedy(target, drafter, prompt, new_tokens)?;
+        warm_up.draft_seconds += out.steps.iter().map(|s| s.draft_seconds).sum::<f64>();
+        warm_up.step_count += out.steps.len();
+        let sequence: Vec<u32> = prompt
+            .iter()
+            .chain(&out.generation.tokens)
+            .copied()
+            .collect();
+        for record in drafter.take_records() {
+            let truth = sequence[D::root(&record) + 1..].to_vec();
+            warm_up.steps.push((record, truth));
+        }
+    }
+    Ok(warm_up)
 }
 
 /// Accepted length of `tree` when the right continuation after the root is `truth`.
@@ -277,17 +288,12 @@ pub fn tune_eagle(
     let longest = prompts.iter().map(Vec::len).max().unwrap_or(0);
     let latency = LatencyProfile::measure(target, longest.max(64), 3)?;
     let mut drafter = EagleDrafter::new(head, d2t, max, longest + new_tokens + 1)?;
-    let (mut steps, mut draft_seconds) = (Vec::new(), 0.0);
-    for prompt in prompts {
-        drafter.record();
-        let (sequence, seconds, _) = warm_up(target, &mut drafter, prompt, new_tokens)?;
-        draft_seconds += seconds;
-        for record in drafter.take_records() {
-            let truth = sequence[record.root + 1..].to_vec();
-            steps.push((record, truth));
-        }
-    }
-    let per_depth = draft_seconds / steps.len().max(1) as f64 / max.depth as f64;
+    let WarmUp {
+        steps,
+        draft_seconds,
+        step_count,
+    } = record_warm_up(target, &mut drafter, prompts, new_tokens)?;
+    let per_depth = draft_seconds / step_count.max(1) as f64 / max.depth as f64;
     let mut options = Vec::new();
     for depth in 1..=max.depth {
         for top_k in [1, 2, 4, 8, 16].into_iter().filter(|&k| k <= max.top_k) {
@@ -338,17 +344,11 @@ pub fn tune_medusa(
     let longest = prompts.iter().map(Vec::len).max().unwrap_or(0);
     let latency = LatencyProfile::measure(target, longest.max(64), 3)?;
     let mut drafter = MedusaDrafter::new(heads, d2t, TreeChoices::chain(1))?;
-    let (mut steps, mut draft_seconds, mut step_count) = (Vec::new(), 0.0, 0);
-    for prompt in prompts {
-        drafter.record();
-        let (sequence, seconds, count) = warm_up(target, &mut drafter, prompt, new_tokens)?;
-        draft_seconds += seconds;
-        step_count += count;
-        for record in drafter.take_records() {
-            let truth = sequence[record.root + 1..].to_vec();
-            steps.push((record, truth));
-        }
-    }
+    let WarmUp {
+        steps,
+        draft_seconds,
+        step_count,
+    } = record_warm_up(target, &mut drafter, prompts, new_tokens)?;
     let accuracy = rank_accuracy(&steps);
     let draft_step = draft_seconds / step_count.max(1) as f64;
     let mut options = Vec::new();
@@ -410,9 +410,8 @@ pub fn rank_accuracy(steps: &[(GuessRecord, Vec<u32>)]) -> Vec<Vec<f64>> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::drafters::{Drafter, Verified};
-    use headway_heads::EagleConfig;
-    use headway_model::testing::tiny_config;
+    use crate::drafters::{tiny_frozen_head, Drafter, Verified};
+    use headway_model::{Sampler, SamplingParams};
     use tch::{Device, Kind};
 
     #[test]
@@ -444,14 +443,8 @@ mod tests {
     #[test]
     fn replayed_candidates_equal_drafting_with_the_smaller_shape() {
         let _no_grad = tch::no_grad_guard();
-        tch::manual_seed(9);
-        let config = tiny_config();
-        let embed = Tensor::randn(
-            [config.vocab_size as i64, config.hidden_size as i64],
-            (Kind::Float, Device::Cpu),
-        );
-        let mut head = EagleHead::new(EagleConfig::for_target(&config), &embed, &embed).unwrap();
-        head.params.freeze();
+        let head = tiny_frozen_head(9);
+        let config = &head.config.layer;
         let context: Vec<u32> = vec![3, 17, 40, 2, 99, 5, 6];
         let hidden = Tensor::randn([6, config.hidden_size as i64], (Kind::Float, Device::Cpu));
         let verified = Verified {

@@ -12,7 +12,7 @@ use headway_serve::drafters::{
     DraftModelDrafter, Drafter, EagleDrafter, EagleTreeShape, LookupDrafter, MedusaDrafter,
     NoDrafter, Verified,
 };
-use headway_serve::engine::{generate_speculative, Session};
+use headway_serve::engine::{generate_greedy, generate_speculative, Session};
 use headway_serve::tree::{DraftTree, Proposal, TreeChoices};
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
@@ -138,16 +138,7 @@ fn speculative_tokens(
     prompt: &[u32],
     new_tokens: usize,
 ) -> (Vec<u32>, f64) {
-    let out = generate_speculative(
-        target,
-        drafter,
-        prompt,
-        new_tokens,
-        Acceptance::Lossless,
-        &mut greedy(),
-        &mut |_| true,
-    )
-    .unwrap();
+    let out = generate_greedy(target, drafter, prompt, new_tokens).unwrap();
     (out.generation.tokens.clone(), out.tau())
 }
 
@@ -439,8 +430,7 @@ fn greedy_speculative_output_equals_plain_greedy_on_smollm2() {
     let new_tokens = 48;
     assert!(fixture.cases.len() >= 3);
     for case in &fixture.cases {
-        let prompt = target.chat_prompt(&case.messages).unwrap();
-        let ids = target.tokenizer.encode(&prompt, false).unwrap();
+        let ids = target.chat_prompt_ids(&case.messages).unwrap();
         let plain = generate(&target, &ids, new_tokens, &mut greedy(), &mut |_| {}).unwrap();
         let capacity = ids.len() + new_tokens + 1;
         let shape = EagleTreeShape {

@@ -14,7 +14,7 @@ use headway_model::mask::positions;
 use headway_model::{KvCache, Sampler};
 use tch::{Kind, Tensor};
 
-use super::{Drafter, Verified};
+use super::{Drafter, Recording, Verified};
 use crate::error::{Result, ServeError};
 use crate::tree::{DraftTree, Proposal};
 
@@ -100,16 +100,6 @@ impl<'h> EagleDrafter<'h> {
             shape,
             records: None,
         })
-    }
-
-    /// Starts keeping every step's candidates.
-    pub fn record(&mut self) {
-        self.records = Some(Vec::new());
-    }
-
-    /// The recorded steps (recording stops).
-    pub fn take_records(&mut self) -> Vec<DraftRecord> {
-        self.records.take().unwrap_or_default()
     }
 
     /// Adds the newly verified (feature, next token) pairs; returns the head's last prediction.
@@ -274,6 +264,23 @@ impl Drafter for EagleDrafter<'_> {
     }
 }
 
+/// Keeps every step's candidates.
+impl Recording for EagleDrafter<'_> {
+    type Record = DraftRecord;
+
+    fn record(&mut self) {
+        self.records = Some(Vec::new());
+    }
+
+    fn take_records(&mut self) -> Vec<DraftRecord> {
+        self.records.take().unwrap_or_default()
+    }
+
+    fn root(record: &DraftRecord) -> usize {
+        record.root
+    }
+}
+
 /// EAGLE-2's rerank: the `size` most confident candidates, closed under ancestors (a child's
 /// score never exceeds its parent's, so this only matters for ties), parents first and siblings
 /// by confidence.
@@ -307,14 +314,15 @@ pub fn best_subtree(candidates: &[Candidate], size: usize) -> DraftTree {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
     use headway_heads::EagleConfig;
     use headway_model::testing::tiny_config;
     use tch::Device;
 
-    fn head() -> EagleHead {
-        tch::manual_seed(5);
+    /// A frozen EAGLE head with random weights for the tiny test target.
+    pub(crate) fn tiny_frozen_head(seed: i64) -> EagleHead {
+        tch::manual_seed(seed);
         let config = tiny_config();
         let embed = Tensor::randn(
             [config.vocab_size as i64, config.hidden_size as i64],
@@ -331,7 +339,7 @@ mod tests {
     #[test]
     fn tree_drafting_equals_running_the_head_step_by_step() {
         let _no_grad = tch::no_grad_guard();
-        let head = head();
+        let head = tiny_frozen_head(5);
         let h = head.config.layer.hidden_size as i64;
         let shape = EagleTreeShape {
             depth: 4,

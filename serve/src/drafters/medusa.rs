@@ -4,7 +4,7 @@
 use headway_heads::MedusaHeads;
 use headway_model::Sampler;
 
-use super::{top_tokens, Drafter, Verified};
+use super::{top_tokens, Drafter, Recording, Verified};
 use crate::error::{Result, ServeError};
 use crate::tree::{DraftTree, TreeChoices};
 
@@ -54,15 +54,22 @@ impl<'h> MedusaDrafter<'h> {
             records: None,
         })
     }
+}
 
-    /// Starts recording every head's top guesses at every step.
-    pub fn record(&mut self) {
+/// Records every head's top guesses at every step.
+impl Recording for MedusaDrafter<'_> {
+    type Record = GuessRecord;
+
+    fn record(&mut self) {
         self.records = Some(Vec::new());
     }
 
-    /// The recorded steps (recording stops).
-    pub fn take_records(&mut self) -> Vec<GuessRecord> {
+    fn take_records(&mut self) -> Vec<GuessRecord> {
         self.records.take().unwrap_or_default()
+    }
+
+    fn root(record: &GuessRecord) -> usize {
+        record.root
     }
 }
 

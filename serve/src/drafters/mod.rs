@@ -9,6 +9,8 @@ mod lookup;
 mod medusa;
 
 pub use draft_model::DraftModelDrafter;
+#[cfg(test)]
+pub(crate) use eagle::tests::tiny_frozen_head;
 pub use eagle::{best_subtree, Candidate, DraftRecord, EagleDrafter, EagleTreeShape};
 pub use lookup::LookupDrafter;
 pub use medusa::{GuessRecord, MedusaDrafter, RECORDED_RANKS};
@@ -63,4 +65,16 @@ fn top_tokens(logits: &Tensor, k: usize, d2t: Option<&[u32]>) -> Vec<u32> {
         .into_iter()
         .map(|i| d2t.map_or(i as u32, |m| m[i as usize]))
         .collect()
+}
+
+/// A drafter that can keep what it proposed at every step, so that the auto-tuner can replay
+/// smaller trees against the tokens the target then emitted.
+pub trait Recording: Drafter {
+    type Record;
+    /// Starts keeping a record of every step's draft.
+    fn record(&mut self);
+    /// The records kept since [`Recording::record`]; recording stops.
+    fn take_records(&mut self) -> Vec<Self::Record>;
+    /// Index of a record's root (the step's last verified token) in the token sequence.
+    fn root(record: &Self::Record) -> usize;
 }
