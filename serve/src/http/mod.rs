@@ -247,13 +247,22 @@ fn body_bytes(body: Result<Bytes, BytesRejection>) -> Result<Bytes, ApiError> {
     })
 }
 
+/// A request body's endpoint-specific fields and its validated generation settings.
+fn parse_request<T: serde::de::DeserializeOwned>(
+    state: &AppState,
+    body: Result<Bytes, BytesRejection>,
+) -> Result<(T, Settings), ApiError> {
+    let body = parse_body(&body_bytes(body)?)?;
+    let request = fields(&body)?;
+    let settings = fields::<GenerationFields>(&body)?.validate(state.max_context)?;
+    Ok((request, settings))
+}
+
 async fn chat_completions(
     State(state): State<Arc<AppState>>,
     body: Result<Bytes, BytesRejection>,
 ) -> Result<Response, ApiError> {
-    let body = parse_body(&body_bytes(body)?)?;
-    let request: ChatRequest = fields(&body)?;
-    let generation: GenerationFields = fields(&body)?;
+    let (request, settings) = parse_request::<ChatRequest>(&state, body)?;
     if request.messages.is_empty() {
         return Err(ApiError::invalid("messages", "messages must not be empty"));
     }
@@ -272,7 +281,6 @@ async fn chat_completions(
         .render(&messages, true)
         .map_err(|e| ApiError::invalid("messages", e.to_string()))?;
     let prompt_ids = tokenize(&state, &prompt, false)?;
-    let settings = generation.validate(state.max_context)?;
     generate(state, prompt_ids, settings, Kind::Chat).await
 }
 
@@ -280,14 +288,11 @@ async fn completions(
     State(state): State<Arc<AppState>>,
     body: Result<Bytes, BytesRejection>,
 ) -> Result<Response, ApiError> {
-    let body = parse_body(&body_bytes(body)?)?;
-    let request: CompletionRequest = fields(&body)?;
-    let generation: GenerationFields = fields(&body)?;
+    let (request, settings) = parse_request::<CompletionRequest>(&state, body)?;
     let prompt_ids = tokenize(&state, request.prompt.text()?, true)?;
     if prompt_ids.is_empty() {
         return Err(ApiError::invalid("prompt", "the prompt is empty"));
     }
-    let settings = generation.validate(state.max_context)?;
     generate(state, prompt_ids, settings, Kind::Completion).await
 }
 
