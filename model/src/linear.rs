@@ -5,15 +5,19 @@
 //! docs/benchmarks.md): libtorch's f32 `linear` with one row reads weights at about 11 GB/s and
 //! does not spread the work over its threads, while memory delivers about 32 GB/s. Splitting the
 //! output features between threads and running the `gemm` crate's kernel on each part, on
-//! spinning threads ([`SpinPool`]), reaches about 33 GB/s. The same split serves prefill and
-//! batched feature extraction (`gemm` blocks for cache reuse across rows). Training (tensors that
-//! require grad), other dtypes and GPUs use libtorch.
+//! spinning threads ([`SpinPool`]), reaches about 33 GB/s. Products of up to
+//! [`ROW_KERNEL_MAX_ROWS`] rows (decoding, tree verification) run on [`row_kernel`] instead,
+//! which streams each weight row once for all rows, so verifying a few tokens costs about what
+//! decoding one does. The same split serves prefill and batched feature extraction (`gemm` blocks
+//! for cache reuse across rows). Training (tensors that require grad), other dtypes and GPUs use
+//! libtorch.
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::OnceLock;
 
 use tch::{Device, Kind, Tensor};
 
+use crate::row_kernel;
 use crate::spin_pool::SpinPool;
 
 /// A dense layer whose weight is `[out_features, in_features]` (the HF layout).
@@ -122,6 +126,13 @@ fn pool() -> &'static SpinPool {
     })
 }
 
+/// Products with up to this many rows run on [`row_kernel`] (it streams the weight once; `gemm`
+/// first packs it), larger ones on `gemm`. `cargo run --release -p headway-model --example
+/// row_kernel` (30 × (1536 × 576) products, one thread), ms row kernel vs gemm: 1 row 4.0 vs 4.6,
+/// 2 rows 3.8 vs 13.9, 4 rows 4.6 vs 14.3, 8 rows 8.6 vs 16.8, 13 rows 14.1 vs 19.3, 16 rows
+/// 19.8 vs 19.5 (and 17.1 vs 20.0 in another run), 20 rows 24.6 vs 22.2, 32 rows 31.8 vs 28.1.
+const ROW_KERNEL_MAX_ROWS: usize = 16;
+
 /// `x [rows, in] · wᵀ` for contiguous f32 CPU tensors, output features split between threads.
 fn split_gemm(x: &Tensor, weight: &Tensor) -> Tensor {
     let (rows, in_features) = (x.size()[0] as usize, x.size()[1] as usize);
@@ -139,6 +150,7 @@ fn split_gemm(x: &Tensor, weight: &Tensor) -> Tensor {
         y.data_ptr() as usize,
     );
     let part_len = out_features.div_ceil(parts);
+    let streamed = rows <= ROW_KERNEL_MAX_ROWS && row_kernel::available();
     let run_part = |part: usize| {
         let first = part * part_len;
         let len = part_len.min(out_features.saturating_sub(first));
@@ -148,6 +160,25 @@ fn split_gemm(x: &Tensor, weight: &Tensor) -> Tensor {
         // SAFETY: x, weight and y are contiguous f32 CPU tensors of the shapes read above, alive
         // for the whole call; part `part` reads weight rows first..first+len and writes only
         // columns first..first+len of y, so parts never overlap.
+        #[cfg(target_arch = "x86_64")]
+        if streamed {
+            let product = row_kernel::Product {
+                rows,
+                in_features,
+                y_stride: out_features,
+            };
+            unsafe {
+                row_kernel::columns(
+                    x_ptr as *const f32,
+                    w_ptr as *const f32,
+                    y_ptr as *mut f32,
+                    product,
+                    first,
+                    len,
+                );
+            }
+            return;
+        }
         unsafe {
             gemm::gemm(
                 rows,
@@ -192,6 +223,8 @@ mod tests {
             (3, 1001, 64),
             (8, 333, 130),
             (9, 64, 32),
+            (16, 96, 600),
+            (17, 96, 600),
         ] {
             let x = Tensor::randn([1, rows, inp], (Kind::Float, Device::Cpu));
             let w = Tensor::randn([out, inp], (Kind::Float, Device::Cpu));
@@ -204,6 +237,29 @@ mod tests {
                 max_diff(&got, &expected) < 1e-4,
                 "rows {rows} out {out} in {inp}"
             );
+        }
+    }
+
+    /// Decoding a token alone and verifying it inside a tree must give the same logits: every
+    /// row's output is bit-for-bit the same whatever the number of rows beside it.
+    #[test]
+    fn each_row_of_a_few_row_product_equals_that_row_alone() {
+        for inp in [576, 133, 7] {
+            let x = Tensor::randn(
+                [ROW_KERNEL_MAX_ROWS as i64, inp],
+                (Kind::Float, Device::Cpu),
+            );
+            let layer = Linear::new(Tensor::randn([301, inp], (Kind::Float, Device::Cpu)), None);
+            for rows in [2, 5, 13, ROW_KERNEL_MAX_ROWS as i64] {
+                let together = layer.forward(&x.narrow(0, 0, rows));
+                for row in 0..rows {
+                    let alone = layer.forward(&x.narrow(0, row, 1));
+                    assert!(
+                        together.narrow(0, row, 1).equal(&alone),
+                        "in {inp}, row {row} of {rows}"
+                    );
+                }
+            }
         }
     }
 
