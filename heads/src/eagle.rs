@@ -94,6 +94,7 @@ impl EagleHead {
             head: self,
             fc,
             layer,
+            lm_head: Linear::new(self.lm_head.shallow_clone(), None),
         })
     }
 
@@ -114,6 +115,9 @@ pub struct EagleModules<'a> {
     head: &'a EagleHead,
     fc: Linear,
     layer: DecoderLayer,
+    /// The frozen target LM head (draft-vocabulary rows): drafting runs it on headway's fast CPU
+    /// path, training through libtorch.
+    lm_head: Linear,
 }
 
 impl EagleModules<'_> {
@@ -145,7 +149,7 @@ impl EagleModules<'_> {
 
     /// Logits over the draft vocabulary for features `[..., hidden]` (the frozen target LM head).
     pub fn logits(&self, features: &Tensor) -> Tensor {
-        features.matmul(&self.head.lm_head.tr())
+        self.lm_head.forward(features)
     }
 }
 
