@@ -304,6 +304,27 @@ pub struct BenchReport {
     pub per_prompt: Vec<PromptResult>,
 }
 
+/// The Spec-Bench category a question's `category` belongs to: the 8 MT-bench categories
+/// (10 questions each) form Spec-Bench's one "multi-turn conversation" category, `mt_bench`;
+/// others are their own.
+pub fn spec_bench_category(category: &str) -> &str {
+    const MT_BENCH: [&str; 8] = [
+        "writing",
+        "roleplay",
+        "reasoning",
+        "math",
+        "coding",
+        "extraction",
+        "stem",
+        "humanities",
+    ];
+    if MT_BENCH.contains(&category) {
+        "mt_bench"
+    } else {
+        category
+    }
+}
+
 /// Builds the report of `run`, compared with `ar` when given.
 pub fn report(
     method: &str,
@@ -313,10 +334,18 @@ pub fn report(
 ) -> BenchReport {
     let mut categories: BTreeMap<&str, (Vec<&PromptResult>, Vec<&PromptResult>)> = BTreeMap::new();
     for r in &run.results {
-        categories.entry(&r.category).or_default().0.push(r);
+        categories
+            .entry(spec_bench_category(&r.category))
+            .or_default()
+            .0
+            .push(r);
     }
     for r in ar.iter().flat_map(|a| &a.results) {
-        categories.entry(&r.category).or_default().1.push(r);
+        categories
+            .entry(spec_bench_category(&r.category))
+            .or_default()
+            .1
+            .push(r);
     }
     let ar_summary = |rows: &[&PromptResult]| ar.map(|_| Summary::of(rows.iter().copied()));
     let per_category = categories
@@ -452,6 +481,16 @@ pub fn differing_prompts(a: &BenchReport, b: &BenchReport) -> Vec<String> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn mt_bench_categories_form_one_spec_bench_category() {
+        for mt_bench in ["writing", "roleplay", "math", "coding", "humanities"] {
+            assert_eq!(spec_bench_category(mt_bench), "mt_bench");
+        }
+        for own in ["translation", "summarization", "qa", "math_reasoning", "rag"] {
+            assert_eq!(spec_bench_category(own), own);
+        }
+    }
 
     #[test]
     fn depth_stats_count_only_depths_the_path_reached() {
