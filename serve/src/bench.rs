@@ -157,15 +157,22 @@ impl DepthStats {
 }
 
 /// One method's run over the prompts.
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, Default)]
 pub struct MethodRun {
     pub results: Vec<PromptResult>,
     pub depths: DepthStats,
-    /// Seconds spent drafting and verifying, over all steps; verification steps; mean tree depth.
+    /// Seconds spent drafting and verifying, over all steps; verification steps.
     pub draft_seconds: f64,
     pub verify_seconds: f64,
     pub steps: usize,
-    pub mean_tree_depth: f64,
+    /// Sum of the steps' tree depths.
+    depth_sum: usize,
+}
+
+impl MethodRun {
+    pub fn mean_tree_depth(&self) -> f64 {
+        self.depth_sum as f64 / self.steps.max(1) as f64
+    }
 }
 
 /// Options of a run.
@@ -178,70 +185,69 @@ pub struct BenchOptions {
     pub acceptance: Acceptance,
 }
 
-/// Runs every question turn by turn with `drafter` (one untimed warm-up generation first).
-pub fn run_method(
+/// One short untimed generation, so that first-call costs (allocations, lazy set-up) stay out of
+/// the figures.
+pub fn warm_up(
     target: &Target,
     drafter: &mut dyn Drafter,
-    questions: &[Question],
+    question: &Question,
     options: &BenchOptions,
-    mut progress: impl FnMut(&PromptResult),
-) -> Result<MethodRun> {
-    if let Some(first) = questions.first() {
-        let ids = target.chat_prompt_ids(&[Message::new("user", &first.turns[0])])?;
-        let mut sampler = Sampler::new(options.sampling);
-        generate_speculative(
+) -> Result<()> {
+    let ids = target.chat_prompt_ids(&[Message::new("user", &question.turns[0])])?;
+    let mut sampler = Sampler::new(options.sampling);
+    generate_speculative(
+        target,
+        drafter,
+        &ids,
+        8,
+        options.acceptance,
+        &mut sampler,
+        &mut |_| true,
+    )?;
+    Ok(())
+}
+
+/// Runs `question` turn by turn with `drafter` (a later turn follows the model's own answer),
+/// adding every turn's figures to `run`.
+pub fn run_question(
+    target: &Target,
+    drafter: &mut dyn Drafter,
+    question: &Question,
+    options: &BenchOptions,
+    run: &mut MethodRun,
+    progress: &mut dyn FnMut(&PromptResult),
+) -> Result<()> {
+    let mut messages = Vec::new();
+    for (turn, text) in question.turns.iter().take(options.turns).enumerate() {
+        messages.push(Message::new("user", text));
+        let ids = target.chat_prompt_ids(&messages)?;
+        // The same seed for a prompt whatever the method, so sampled runs stay comparable.
+        let mut sampler = Sampler::new(SamplingParams {
+            seed: options.sampling.seed ^ (question.question_id << 8 | turn as u64),
+            ..options.sampling
+        });
+        let out = generate_speculative(
             target,
             drafter,
             &ids,
-            8,
+            options.max_new_tokens,
             options.acceptance,
             &mut sampler,
             &mut |_| true,
         )?;
-    }
-    let mut run = MethodRun {
-        results: Vec::new(),
-        depths: DepthStats::default(),
-        draft_seconds: 0.0,
-        verify_seconds: 0.0,
-        steps: 0,
-        mean_tree_depth: 0.0,
-    };
-    let mut depth_sum = 0;
-    for question in questions {
-        let mut messages = Vec::new();
-        for (turn, text) in question.turns.iter().take(options.turns).enumerate() {
-            messages.push(Message::new("user", text));
-            let ids = target.chat_prompt_ids(&messages)?;
-            // The same seed for a prompt whatever the method, so sampled runs stay comparable.
-            let mut sampler = Sampler::new(SamplingParams {
-                seed: options.sampling.seed ^ (question.question_id << 8 | turn as u64),
-                ..options.sampling
-            });
-            let out = generate_speculative(
-                target,
-                drafter,
-                &ids,
-                options.max_new_tokens,
-                options.acceptance,
-                &mut sampler,
-                &mut |_| true,
-            )?;
-            for step in &out.steps {
-                run.depths.add(step.tree_depth, step.accepted());
-                run.draft_seconds += step.draft_seconds;
-                run.verify_seconds += step.verify_seconds;
-                depth_sum += step.tree_depth;
-            }
-            run.steps += out.steps.len();
-            let result = prompt_result(question, turn, ids.len(), &out);
-            messages.push(Message::new("assistant", &result.text));
-            progress(&result);
-            run.results.push(result);
+        for step in &out.steps {
+            run.depths.add(step.tree_depth, step.accepted());
+            run.draft_seconds += step.draft_seconds;
+            run.verify_seconds += step.verify_seconds;
+            run.depth_sum += step.tree_depth;
         }
+        run.steps += out.steps.len();
+        let result = prompt_result(question, turn, ids.len(), &out);
+        messages.push(Message::new("assistant", &result.text));
+        progress(&result);
+        run.results.push(result);
     }
-    run.mean_tree_depth = depth_sum as f64 / run.steps.max(1) as f64;
-    Ok(run)
+    Ok(())
 }
 
 fn prompt_result(
@@ -381,7 +387,7 @@ pub fn report(
 /// assumes verifying a tree costs one plain forward, true on a GPU and not on a CPU: the gap to
 /// the measured speedup is the cost of verifying wide trees on this device.
 pub fn predicted_speedup(run: &MethodRun, ar: &MethodRun) -> f64 {
-    let k = run.mean_tree_depth;
+    let k = run.mean_tree_depth();
     if run.steps == 0 || k == 0.0 {
         return 1.0;
     }
@@ -487,7 +493,13 @@ mod tests {
         for mt_bench in ["writing", "roleplay", "math", "coding", "humanities"] {
             assert_eq!(spec_bench_category(mt_bench), "mt_bench");
         }
-        for own in ["translation", "summarization", "qa", "math_reasoning", "rag"] {
+        for own in [
+            "translation",
+            "summarization",
+            "qa",
+            "math_reasoning",
+            "rag",
+        ] {
             assert_eq!(spec_bench_category(own), own);
         }
     }

@@ -9,8 +9,8 @@ use anyhow::Context;
 use clap::{Parser, Subcommand};
 use headway_model::{Message, Sampler, SamplingArgs, TargetArgs};
 use headway_serve::bench::{
-    differing_prompts, load_questions, markdown, report, run_method, spread, BenchOptions,
-    BenchReport, PromptResult,
+    differing_prompts, load_questions, markdown, report, run_question, spread, warm_up,
+    BenchOptions, BenchReport, MethodRun, PromptResult,
 };
 use headway_serve::drafters::NoDrafter;
 use headway_serve::engine::generate_speculative;
@@ -200,12 +200,12 @@ fn run_bench(args: BenchArgs) -> anyhow::Result<()> {
     };
     let target = args.target.load()?;
     let mut resources = DraftResources::load(&args.draft, &target)?;
-    let warm_up: Vec<Vec<u32>> = questions
+    let tuning_prompts: Vec<Vec<u32>> = questions
         .iter()
         .take(2)
         .map(|q| target.chat_prompt_ids(&[Message::new("user", &q.turns[0])]))
         .collect::<Result<_, _>>()?;
-    resources.tune(&args.draft, &target, &warm_up)?;
+    resources.tune(&args.draft, &target, &tuning_prompts)?;
     if let Some(tuned) = &resources.tuned {
         eprint!("{}", tuned.describe());
     }
@@ -252,26 +252,40 @@ fn run_bench(args: BenchArgs) -> anyhow::Result<()> {
             )
         }
     };
-    let baseline = if method == Method::Ar || args.no_baseline {
-        None
-    } else {
-        let mut plain = NoDrafter;
-        Some(run_method(
-            &target,
-            &mut plain,
-            &questions,
-            &options,
-            progress("ar"),
-        )?)
-    };
     let mut drafter = resources.drafter(&args.draft, &target, capacity)?;
-    let run = run_method(
-        &target,
-        drafter.as_mut(),
-        &questions,
-        &options,
-        progress(method.name()),
-    )?;
+    let mut plain = NoDrafter;
+    let compare = method != Method::Ar && !args.no_baseline;
+    if let Some(first) = questions.first() {
+        if compare {
+            warm_up(&target, &mut plain, first, &options)?;
+        }
+        warm_up(&target, drafter.as_mut(), first, &options)?;
+    }
+    let (mut ar_progress, mut method_progress) = (progress("ar"), progress(method.name()));
+    let (mut baseline, mut run) = (MethodRun::default(), MethodRun::default());
+    // Plain decoding and the method alternate question by question, so that the host's drifting
+    // speed (shared machines) weighs on both alike.
+    for question in &questions {
+        if compare {
+            run_question(
+                &target,
+                &mut plain,
+                question,
+                &options,
+                &mut baseline,
+                &mut ar_progress,
+            )?;
+        }
+        run_question(
+            &target,
+            drafter.as_mut(),
+            question,
+            &options,
+            &mut run,
+            &mut method_progress,
+        )?;
+    }
+    let baseline = compare.then_some(baseline);
     let settings = serde_json::json!({
         "target": target.dir.display().to_string(),
         "heads": args.draft.heads.as_ref().map(|p| p.display().to_string()),
