@@ -6,6 +6,7 @@
 
 use std::time::Instant;
 
+use headway_model::linear::gemm_columns;
 use headway_model::row_kernel::{self, Product};
 
 const OUT: usize = 1536;
@@ -45,30 +46,8 @@ fn main() {
         });
         let packed = best_of(|| {
             for w in &weights {
-                // SAFETY: as above; gemm reads x [rows, IN], w as [IN, OUT] column-major, writes y.
-                unsafe {
-                    gemm::gemm(
-                        rows,
-                        OUT,
-                        IN,
-                        y.as_mut_ptr(),
-                        1,
-                        OUT as isize,
-                        false,
-                        x.as_ptr(),
-                        1,
-                        IN as isize,
-                        w.as_ptr(),
-                        IN as isize,
-                        1,
-                        0.0,
-                        1.0,
-                        false,
-                        false,
-                        false,
-                        gemm::Parallelism::None,
-                    )
-                };
+                // SAFETY: as above.
+                unsafe { gemm_columns(x.as_ptr(), w.as_ptr(), y.as_mut_ptr(), product, 0, OUT) };
             }
         });
         println!(

@@ -17,7 +17,7 @@ use std::sync::OnceLock;
 
 use tch::{Device, Kind, Tensor};
 
-use crate::row_kernel;
+use crate::row_kernel::{self, Product};
 use crate::spin_pool::SpinPool;
 
 /// A dense layer whose weight is `[out_features, in_features]` (the HF layout).
@@ -151,60 +151,73 @@ fn split_gemm(x: &Tensor, weight: &Tensor) -> Tensor {
     );
     let part_len = out_features.div_ceil(parts);
     let streamed = rows <= ROW_KERNEL_MAX_ROWS && row_kernel::available();
+    let product = Product {
+        rows,
+        in_features,
+        y_stride: out_features,
+    };
     let run_part = |part: usize| {
         let first = part * part_len;
         let len = part_len.min(out_features.saturating_sub(first));
         if len == 0 {
             return;
         }
+        let (x, w, y) = (x_ptr as *const f32, w_ptr as *const f32, y_ptr as *mut f32);
         // SAFETY: x, weight and y are contiguous f32 CPU tensors of the shapes read above, alive
         // for the whole call; part `part` reads weight rows first..first+len and writes only
-        // columns first..first+len of y, so parts never overlap.
-        #[cfg(target_arch = "x86_64")]
-        if streamed {
-            let product = row_kernel::Product {
-                rows,
-                in_features,
-                y_stride: out_features,
-            };
-            unsafe {
-                row_kernel::columns(
-                    x_ptr as *const f32,
-                    w_ptr as *const f32,
-                    y_ptr as *mut f32,
-                    product,
-                    first,
-                    len,
-                );
-            }
-            return;
-        }
+        // columns first..first+len of y, so parts never overlap; the row kernel runs only where
+        // it is available.
         unsafe {
-            gemm::gemm(
-                rows,
-                len,
-                in_features,
-                (y_ptr as *mut f32).add(first),
-                1,
-                out_features as isize,
-                false,
-                x_ptr as *const f32,
-                1,
-                in_features as isize,
-                (w_ptr as *const f32).add(first * in_features),
-                in_features as isize,
-                1,
-                0.0,
-                1.0,
-                false,
-                false,
-                false,
-                gemm::Parallelism::None,
-            );
+            #[cfg(target_arch = "x86_64")]
+            if streamed {
+                row_kernel::columns(x, w, y, product, first, len);
+                return;
+            }
+            gemm_columns(x, w, y, product, first, len);
         }
     };
     pool.run(&run_part);
     y
+}
+
+/// Columns `first..first + len` of `y = x wᵀ` with the `gemm` crate (which packs `w` first).
+///
+/// # Safety
+/// As [`row_kernel::columns`], availability aside.
+pub unsafe fn gemm_columns(
+    x: *const f32,
+    w: *const f32,
+    y: *mut f32,
+    product: Product,
+    first: usize,
+    len: usize,
+) {
+    let Product {
+        rows,
+        in_features,
+        y_stride,
+    } = product;
+    gemm::gemm(
+        rows,
+        len,
+        in_features,
+        y.add(first),
+        1,
+        y_stride as isize,
+        false,
+        x,
+        1,
+        in_features as isize,
+        w.add(first * in_features),
+        in_features as isize,
+        1,
+        0.0,
+        1.0,
+        false,
+        false,
+        false,
+        gemm::Parallelism::None,
+    );
 }
 
 #[cfg(test)]
