@@ -40,12 +40,12 @@ if [ -f "$PRETRAINED/config.json" ]; then
 fi
 
 step "3/4 bench: EAGLE vs plain decoding, 6 Spec-Bench questions, 96 new tokens each"
-"$BIN/headway-serve" bench --method eagle --heads "$HEAD" --questions "$QUESTIONS" --limit 6 \
+"$BIN/headway-serve" bench --method eagle --heads "$HEAD" --tree-tokens auto --questions "$QUESTIONS" --limit 6 \
     --turns 1 --max-new-tokens 96 --json "$WORK/bench-eagle.json"
 
 step "4/4 serve: headway-serve http --method eagle, one chat request"
 PORT=$(python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
-"$BIN/headway-serve" http --method eagle --heads "$HEAD" --port "$PORT" 2>"$WORK/server.log" &
+"$BIN/headway-serve" http --method eagle --heads "$HEAD" --tree-tokens auto --port "$PORT" 2>"$WORK/server.log" &
 SERVER=$!
 trap 'kill -TERM $SERVER 2>/dev/null || true' EXIT
 python3 - "$PORT" "$WORK/bench-eagle.json" <<'PY'
