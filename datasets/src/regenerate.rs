@@ -4,18 +4,20 @@
 //! Replies are generated turn by turn: assistant turn `i` is regenerated from the conversation up
 //! to it, earlier replies already replaced. A reply stops at the target's end of turn, at
 //! `max_new_tokens`, or where the conversation would pass `max_len` tokens (later turns are then
-//! dropped: training truncates there anyway). Sampling is seeded per conversation (from the seed
-//! and the conversation's id and content), so a resumed run regenerates exactly what an
-//! uninterrupted one would.
+//! dropped: training truncates there anyway); `max_turns` keeps only the first replies.
+//! Conversations are generated shortest opening first, in chunks of `batch` (the `r`-th replies
+//! of a chunk in one batched generation: similar prompt lengths, little padding). Sampling is
+//! seeded per conversation (from the seed and the conversation's id and content), so a resumed
+//! run regenerates exactly what an uninterrupted one would.
 //!
-//! Progress is a journal, one JSONL-chat line per finished conversation, appended and flushed as
-//! it goes; a killed run resumes after the last whole line (a torn last line is cut off). The
-//! journal is itself a JSONL chat corpus.
+//! Progress is a journal, one JSONL-chat line per finished conversation in generation order,
+//! appended and flushed a chunk at a time; a killed run resumes after the last whole chunk (a torn chunk is cut off).
+//! The journal is itself a JSONL chat corpus.
 
 use std::io::Write;
 use std::path::Path;
 
-use headway_model::{generate, Message, Sampler, SamplingParams, Target};
+use headway_model::{generate_batch, Message, Sampler, SamplingParams, Target};
 use serde::{Deserialize, Serialize};
 
 use crate::conversation::{Conversation, Role, Turn};
@@ -47,47 +49,121 @@ pub fn regenerate(
     journal: &Path,
     on_done: &mut dyn FnMut(usize, usize),
 ) -> Result<Vec<Conversation>> {
-    let mut done = read_journal(journal, conversations)?;
-    for i in 0..done.len() {
-        on_done(i, 0);
+    let batch = settings.batch;
+    let order = generation_order(conversations);
+    let queue: Vec<&Conversation> = order.iter().map(|&i| &conversations[i]).collect();
+    let mut done = read_journal(journal, &queue, batch)?;
+    for &index in &order[..done.len()] {
+        on_done(index, 0);
     }
     let mut file = std::fs::OpenOptions::new()
         .create(true)
         .append(true)
         .open(journal)
         .map_err(|e| DatasetError::io(journal, e))?;
-    for (index, conversation) in conversations.iter().enumerate().skip(done.len()) {
-        let (regenerated, new_tokens) = regenerate_one(target, conversation, max_len, settings)?;
-        let mut line = serde_json::to_string(&to_line(&regenerated)).expect("journal serialises");
-        line.push('\n');
-        file.write_all(line.as_bytes())
+    for chunk_start in (done.len()..queue.len()).step_by(batch) {
+        let chunk = &queue[chunk_start..(chunk_start + batch).min(queue.len())];
+        let regenerated = regenerate_chunk(target, chunk, max_len, settings)?;
+        // One write per chunk: a kill leaves whole chunks and at most one torn one, which the
+        // next run cuts off and regenerates in the same company.
+        let mut lines = String::new();
+        for (conversation, _) in &regenerated {
+            lines.push_str(&serde_json::to_string(&to_line(conversation)).expect("serialises"));
+            lines.push('\n');
+        }
+        file.write_all(lines.as_bytes())
             .and_then(|()| file.flush())
             .map_err(|e| DatasetError::io(journal, e))?;
-        done.push(regenerated);
-        on_done(index, new_tokens);
+        for (offset, (conversation, new_tokens)) in regenerated.into_iter().enumerate() {
+            done.push(conversation);
+            on_done(order[chunk_start + offset], new_tokens);
+        }
     }
     file.sync_all().map_err(|e| DatasetError::io(journal, e))?;
-    Ok(done)
+    let mut in_corpus_order: Vec<Option<Conversation>> = vec![None; conversations.len()];
+    for (conversation, &index) in done.into_iter().zip(&order) {
+        in_corpus_order[index] = Some(conversation);
+    }
+    Ok(in_corpus_order.into_iter().flatten().collect())
 }
 
-/// The conversations already in `journal` (cutting off a torn last line); each must be the
-/// regeneration of the conversation at the same index.
-fn read_journal(journal: &Path, conversations: &[Conversation]) -> Result<Vec<Conversation>> {
+/// Drops conversations whose regeneration would repeat an earlier one's: what the target is
+/// asked (the turns other than replies, from the first user turn, up to the `max_turns`-th reply)
+/// decides the regenerated conversation, so corpus duplicates under different replies (split
+/// chats' "continue" parts, say) would otherwise come out identical, in both splits. Returns the
+/// kept conversations, in order, and the number dropped.
+pub fn dedupe_for_regeneration(
+    conversations: Vec<Conversation>,
+    max_turns: Option<usize>,
+) -> (Vec<Conversation>, usize) {
+    let asked = |c: &Conversation| -> u64 {
+        let first_user = c.turns.iter().position(|t| t.role == Role::User);
+        let mut hash = fnv1a64(b"regeneration");
+        let mut replies = 0;
+        for turn in &c.turns[first_user.unwrap_or(c.turns.len())..] {
+            if turn.role == Role::Assistant {
+                replies += 1;
+                if max_turns.is_some_and(|max| replies >= max) {
+                    break;
+                }
+                continue;
+            }
+            hash = mix64(hash ^ fnv1a64(turn.role.as_str().as_bytes()));
+            hash = mix64(hash ^ fnv1a64(turn.content.as_bytes()));
+        }
+        hash
+    };
+    let mut seen = std::collections::HashSet::with_capacity(conversations.len());
+    let before = conversations.len();
+    let kept: Vec<Conversation> = conversations
+        .into_iter()
+        .filter(|c| seen.insert(asked(c)))
+        .collect();
+    let dropped = before - kept.len();
+    (kept, dropped)
+}
+
+/// Indices of `conversations`, shortest opening (the text before the first reply) first: chunks
+/// of similar prompt lengths waste little attention on padding. Ties keep corpus order.
+fn generation_order(conversations: &[Conversation]) -> Vec<usize> {
+    let opening_chars = |c: &Conversation| -> usize {
+        let asked = c.turns.iter().position(|t| t.role == Role::User);
+        let prompt = asked.map_or(&c.turns[..0], |u| &c.turns[..=u]);
+        prompt
+            .iter()
+            .filter(|t| t.role != Role::Assistant)
+            .map(|t| t.content.len())
+            .sum()
+    };
+    let mut order: Vec<usize> = (0..conversations.len()).collect();
+    order.sort_by_key(|&i| opening_chars(&conversations[i]));
+    order
+}
+
+/// The conversations already in `journal`, cut back to whole chunks of `batch` (a torn chunk is
+/// removed from the file); line `i` must regenerate `conversations[i]` (generation order).
+fn read_journal(
+    journal: &Path,
+    conversations: &[&Conversation],
+    batch: usize,
+) -> Result<Vec<Conversation>> {
     let text = match std::fs::read_to_string(journal) {
         Ok(text) => text,
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(Vec::new()),
         Err(e) => return Err(DatasetError::io(journal, e)),
     };
-    let whole = text.rfind('\n').map_or(0, |i| i + 1);
-    if whole < text.len() {
+    let line_ends: Vec<usize> = text.match_indices('\n').map(|(i, _)| i + 1).collect();
+    let whole_lines = line_ends.len() / batch * batch;
+    let keep = whole_lines.checked_sub(1).map_or(0, |last| line_ends[last]);
+    if keep < text.len() {
         let file = std::fs::OpenOptions::new()
             .write(true)
             .open(journal)
             .map_err(|e| DatasetError::io(journal, e))?;
-        file.set_len(whole as u64)
+        file.set_len(keep as u64)
             .map_err(|e| DatasetError::io(journal, e))?;
     }
-    text[..whole]
+    text[..keep]
         .lines()
         .enumerate()
         .map(|(i, line)| {
@@ -99,6 +175,7 @@ fn read_journal(journal: &Path, conversations: &[Conversation]) -> Result<Vec<Co
                 })?;
             let original = conversations
                 .get(i)
+                .copied()
                 .filter(|c| c.id == parsed.id)
                 .ok_or_else(|| {
                     DatasetError::format(
@@ -158,53 +235,166 @@ fn from_line(
     })
 }
 
-/// One conversation with its assistant turns replaced; returns it and the tokens generated.
-fn regenerate_one(
+/// A conversation being regenerated: the turns so far, where it is in the original, and its own
+/// seeded sampler.
+struct InProgress<'a> {
+    original: &'a Conversation,
+    turns: Vec<Turn>,
+    next_turn: usize,
+    replies: usize,
+    new_tokens: usize,
+    finished: bool,
+    sampler: Sampler,
+}
+
+impl InProgress<'_> {
+    /// Copies the turns before the next assistant turn; returns the prompt for that turn, or
+    /// `None` (and finishes) when there is none left to regenerate.
+    fn next_prompt(&mut self, max_turns: Option<usize>) -> Option<Vec<Message>> {
+        let room = max_turns.is_none_or(|max| self.replies < max);
+        while let Some(turn) = self.original.turns.get(self.next_turn).filter(|_| room) {
+            let asked = self.turns.iter().any(|t| t.role == Role::User);
+            if turn.role == Role::Assistant && !asked {
+                // A reply to nothing (corpora split long chats, so parts can open with the
+                // assistant): the target would answer an empty chat, the same text every time.
+                self.next_turn += 1;
+                continue;
+            }
+            if turn.role == Role::Assistant {
+                let messages = self
+                    .turns
+                    .iter()
+                    .map(|t| Message::new(t.role.as_str(), t.content.as_str()))
+                    .collect();
+                return Some(messages);
+            }
+            self.turns.push(turn.clone());
+            self.next_turn += 1;
+        }
+        self.finished = true;
+        None
+    }
+}
+
+/// Regenerates `chunk` together: round `r` generates the `r`-th assistant reply of every
+/// conversation that has one, in one batch. Returns each conversation with its replies replaced
+/// and the tokens generated for it.
+fn regenerate_chunk(
     target: &Target,
-    conversation: &Conversation,
+    chunk: &[&Conversation],
     max_len: usize,
     settings: &RegenerateSettings,
-) -> Result<(Conversation, usize)> {
-    let seed =
-        mix64(settings.seed ^ fnv1a64(conversation.id.as_bytes()) ^ conversation.content_hash());
-    let mut sampler = Sampler::new(SamplingParams {
+) -> Result<Vec<(Conversation, usize)>> {
+    let context = target.model.config().max_position_embeddings.min(max_len);
+    let mut states: Vec<InProgress> = chunk
+        .iter()
+        .map(|&original| InProgress {
+            original,
+            turns: Vec::new(),
+            next_turn: 0,
+            replies: 0,
+            new_tokens: 0,
+            finished: false,
+            sampler: Sampler::new(sampling(settings, original)),
+        })
+        .collect();
+    loop {
+        let mut asking = Vec::new();
+        let (mut prompts, mut budgets) = (Vec::new(), Vec::new());
+        for (index, state) in states.iter_mut().enumerate().filter(|(_, s)| !s.finished) {
+            let Some(messages) = state.next_prompt(settings.max_turns) else {
+                continue;
+            };
+            let prompt_ids = target.chat_prompt_ids(&messages)?;
+            let budget = settings
+                .max_new_tokens
+                .min(context.saturating_sub(prompt_ids.len()));
+            if budget == 0 {
+                state.finished = true;
+                continue;
+            }
+            asking.push(index);
+            prompts.push(prompt_ids);
+            budgets.push(budget);
+        }
+        if asking.is_empty() {
+            break;
+        }
+        let mut samplers: Vec<Sampler> = asking
+            .iter()
+            .map(|&i| std::mem::replace(&mut states[i].sampler, Sampler::new(Default::default())))
+            .collect();
+        let replies = generate_batch(target, &prompts, &budgets, &mut samplers)?;
+        for ((&index, reply), sampler) in asking.iter().zip(replies).zip(samplers) {
+            let state = &mut states[index];
+            state.sampler = sampler;
+            state.new_tokens += reply.tokens.len();
+            if reply.text.trim().is_empty() {
+                state.finished = true;
+                continue;
+            }
+            state.turns.push(Turn::new(Role::Assistant, reply.text));
+            state.next_turn += 1;
+            state.replies += 1;
+        }
+    }
+    Ok(states
+        .into_iter()
+        .map(|state| {
+            let conversation = Conversation {
+                id: state.original.id.clone(),
+                turns: state.turns,
+                split_group: state.original.split_group.clone(),
+            };
+            (conversation, state.new_tokens)
+        })
+        .collect())
+}
+
+/// Sampling for `conversation`, seeded from the run's seed and the conversation itself.
+fn sampling(settings: &RegenerateSettings, conversation: &Conversation) -> SamplingParams {
+    SamplingParams {
         temperature: settings.temperature,
         top_k: settings.top_k,
         top_p: settings.top_p,
-        seed,
-    });
-    let context = target.model.config().max_position_embeddings.min(max_len);
-    let mut turns: Vec<Turn> = Vec::new();
-    let mut new_tokens = 0;
-    for turn in &conversation.turns {
-        if turn.role != Role::Assistant {
-            turns.push(turn.clone());
-            continue;
-        }
-        let messages: Vec<Message> = turns
-            .iter()
-            .map(|t| Message::new(t.role.as_str(), t.content.as_str()))
-            .collect();
-        let prompt_ids = target.chat_prompt_ids(&messages)?;
-        let budget = settings
-            .max_new_tokens
-            .min(context.saturating_sub(prompt_ids.len()));
-        if budget == 0 {
-            break;
-        }
-        let reply = generate(target, &prompt_ids, budget, &mut sampler, &mut |_| {})?;
-        new_tokens += reply.tokens.len();
-        if reply.text.trim().is_empty() {
-            break;
-        }
-        turns.push(Turn::new(Role::Assistant, reply.text));
+        seed: mix64(
+            settings.seed ^ fnv1a64(conversation.id.as_bytes()) ^ conversation.content_hash(),
+        ),
     }
-    Ok((
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn conv(id: &str, turns: &[(Role, &str)]) -> Conversation {
         Conversation {
-            id: conversation.id.clone(),
-            turns,
-            split_group: conversation.split_group.clone(),
-        },
-        new_tokens,
-    ))
+            id: id.to_string(),
+            turns: turns.iter().map(|&(r, c)| Turn::new(r, c)).collect(),
+            split_group: None,
+        }
+    }
+
+    #[test]
+    fn regeneration_dedupes_by_what_the_target_is_asked() {
+        use Role::{Assistant as A, User as U};
+        let a = conv(
+            "a",
+            &[(A, "part 2 of a chat"), (U, "continue"), (A, "more text")],
+        );
+        let b = conv("b", &[(A, "part 3"), (U, "continue"), (A, "other text")]);
+        let c = conv(
+            "c",
+            &[(U, "hi"), (A, "hello"), (U, "how are you?"), (A, "fine")],
+        );
+        let d = conv(
+            "d",
+            &[(U, "hi"), (A, "hey"), (U, "what time is it?"), (A, "noon")],
+        );
+        let all = vec![a.clone(), b, c.clone(), d.clone()];
+        let (kept, dropped) = dedupe_for_regeneration(all.clone(), None);
+        assert_eq!((kept, dropped), (vec![a.clone(), c.clone(), d], 1));
+        let (kept, dropped) = dedupe_for_regeneration(all, Some(1));
+        assert_eq!((kept, dropped), (vec![a, c], 2));
+    }
 }

@@ -371,6 +371,8 @@ fn regeneration_uses_the_targets_own_replies_and_resumes_after_a_torn_line() {
         top_k: 0,
         max_new_tokens: 12,
         seed: 0,
+        batch: 2,
+        max_turns: None,
     });
     prepare(&f.target, &opts, &mut Quiet).unwrap();
     let journal_path = out.join("regenerated.jsonl");
@@ -380,8 +382,18 @@ fn regeneration_uses_the_targets_own_replies_and_resumes_after_a_torn_line() {
         .map(|l| serde_json::from_str(l).unwrap())
         .collect();
     assert_eq!(lines.len(), 3);
-    // The first chat's reply is what greedy generation gives for its prompt.
-    let first = &lines[0]["messages"];
+    // The first regenerated reply is what greedy generation gives for its prompt.
+    let has_reply = |m: &&serde_json::Value| {
+        m.as_array()
+            .unwrap()
+            .iter()
+            .any(|t| t["role"] == "assistant")
+    };
+    let first = lines
+        .iter()
+        .map(|l| &l["messages"])
+        .find(has_reply)
+        .expect("a conversation with a regenerated reply");
     let prompt: Vec<Message> = first
         .as_array()
         .unwrap()

@@ -4,7 +4,7 @@ use std::time::Instant;
 
 use crate::mask::positions;
 use crate::{ForwardInput, KvCache, Target};
-use tch::Tensor;
+use tch::{Kind, Tensor};
 
 use crate::error::{ModelError, Result};
 use crate::sampling::Sampler;
@@ -83,6 +83,154 @@ pub fn generate(
         prefill_seconds,
         seconds: start.elapsed().as_secs_f64(),
     })
+}
+
+/// Generates replies to several prompts at once: each prompt is prefilled alone (no padding
+/// compute), then all decode together, one forward of one token per still-running sequence per
+/// step. `max_new_tokens[i]` and `samplers[i]` belong to prompt `i`. Finished sequences are
+/// dropped from the batch once they are a quarter of it. Each reply is what [`generate`] gives
+/// for its prompt up to the last bits of floating point (batched products and padded attention
+/// sum in another order), so greedy replies can differ where two logits all but tie.
+pub fn generate_batch(
+    target: &Target,
+    prompts: &[Vec<u32>],
+    max_new_tokens: &[usize],
+    samplers: &mut [Sampler],
+) -> Result<Vec<Generation>> {
+    if prompts.len() != max_new_tokens.len() || prompts.len() != samplers.len() {
+        return Err(ModelError::Invalid {
+            field: "prompts",
+            message: format!(
+                "{} prompts, {} token budgets and {} samplers",
+                prompts.len(),
+                max_new_tokens.len(),
+                samplers.len()
+            ),
+        });
+    }
+    for (prompt, &budget) in prompts.iter().zip(max_new_tokens) {
+        check_request(target, prompt.len(), budget)?;
+    }
+    if prompts.is_empty() {
+        return Ok(Vec::new());
+    }
+    let _no_grad = tch::no_grad_guard();
+    let start = Instant::now();
+    let (mut logits, mut cache, pads) = prefill_each(target, prompts, max_new_tokens)?;
+    let prefill_seconds = start.elapsed().as_secs_f64();
+    let mut tokens: Vec<Vec<u32>> = vec![Vec::new(); prompts.len()];
+    let mut stops = vec![StopReason::Length; prompts.len()];
+    // `rows[r]`: the prompt in cache row `r`; `running[r]`: whether it still generates.
+    let mut rows: Vec<usize> = (0..prompts.len()).collect();
+    let mut running: Vec<bool> = max_new_tokens.iter().map(|&m| m > 0).collect();
+    loop {
+        let mut next = Vec::with_capacity(rows.len());
+        for (r, &prompt) in rows.iter().enumerate() {
+            let token = if running[r] {
+                let token = samplers[prompt].next_token(&logits.get(r as i64));
+                tokens[prompt].push(token);
+                if target.stop_ids.contains(&token) {
+                    stops[prompt] = StopReason::Eos;
+                    running[r] = false;
+                } else if tokens[prompt].len() == max_new_tokens[prompt] {
+                    running[r] = false;
+                }
+                token
+            } else {
+                0
+            };
+            next.push(token as i64);
+        }
+        let live: Vec<usize> = (0..rows.len()).filter(|&r| running[r]).collect();
+        if live.is_empty() {
+            break;
+        }
+        if live.len() * 4 <= rows.len() * 3 {
+            cache.retain_sequences(&live)?;
+            next = live.iter().map(|&r| next[r]).collect();
+            rows = live.iter().map(|&r| rows[r]).collect();
+            running = vec![true; rows.len()];
+        }
+        let row_pads: Vec<usize> = rows.iter().map(|&p| pads[p]).collect();
+        logits = decode_step(target, &next, &row_pads, &mut cache)?;
+    }
+    let seconds = start.elapsed().as_secs_f64();
+    tokens
+        .into_iter()
+        .zip(stops)
+        .map(|(tokens, stop_reason)| {
+            let end = tokens.len() - usize::from(stop_reason == StopReason::Eos);
+            Ok(Generation {
+                text: streamed_text(target, &tokens[..end])?,
+                tokens,
+                stop_reason,
+                prefill_seconds,
+                seconds,
+            })
+        })
+        .collect()
+}
+
+/// The text [`generate`] streams for `tokens` (an incomplete UTF-8 sequence at the end is left
+/// out, as the stream holds it back).
+fn streamed_text(target: &Target, tokens: &[u32]) -> Result<String> {
+    let mut stream = target.tokenizer.stream(true);
+    let mut text = String::new();
+    for &token in tokens {
+        if let Some(piece) = stream.step(token)? {
+            text.push_str(&piece);
+        }
+    }
+    Ok(text)
+}
+
+/// Runs each prompt through the target alone and stacks the caches right-aligned, with room for
+/// the longest reply; returns the last-position logits `[prompts, vocab]`, the cache and each
+/// prompt's count of leading pad positions.
+fn prefill_each(
+    target: &Target,
+    prompts: &[Vec<u32>],
+    max_new_tokens: &[usize],
+) -> Result<(Tensor, KvCache, Vec<usize>)> {
+    let longest_prompt = prompts.iter().map(Vec::len).max().unwrap_or(0);
+    let longest_reply = max_new_tokens.iter().copied().max().unwrap_or(0);
+    let mut caches = Vec::with_capacity(prompts.len());
+    let mut logits = Vec::with_capacity(prompts.len());
+    for prompt in prompts {
+        let config = target.model.config();
+        let mut cache = KvCache::new(config, 1, prompt.len(), target.kind, target.device)?;
+        logits.push(next_logits(target, prompt, &mut cache)?);
+        caches.push(cache);
+    }
+    let (cache, pads) = KvCache::stack_right_aligned(&caches, longest_prompt + longest_reply)?;
+    Ok((Tensor::stack(&logits, 0), cache, pads))
+}
+
+/// One decoding step of a right-aligned batch: `tokens[r]` follows sequence `r`, whose first
+/// `pads[r]` cache positions are padding. Returns the logits `[rows, vocab]`.
+fn decode_step(
+    target: &Target,
+    tokens: &[i64],
+    pads: &[usize],
+    cache: &mut KvCache,
+) -> Result<Tensor> {
+    let device = target.device;
+    let past = cache.len() as i64;
+    let rows = tokens.len() as i64;
+    let input_ids = Tensor::from_slice(tokens).view([rows, 1]).to_device(device);
+    let pads: Vec<i64> = pads.iter().map(|&p| p as i64).collect();
+    let pads = Tensor::from_slice(&pads).view([rows, 1]).to_device(device);
+    let positions = -&pads + past;
+    let columns = Tensor::arange(past + 1, (Kind::Int64, device)).view([1, past + 1]);
+    let mask = columns.ge_tensor(&pads).view([rows, 1, 1, past + 1]);
+    let input = ForwardInput {
+        input_ids: &input_ids,
+        positions: &positions,
+        mask: Some(&mask),
+        taps: &[],
+    };
+    let hidden = target.model.model.forward(&input, Some(cache))?.hidden;
+    Ok(target.model.lm_head.forward(&hidden.view([rows, -1])))
 }
 
 /// Checks that a request fits `target`: a prompt with tokens, and room in the context for

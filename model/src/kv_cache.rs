@@ -105,6 +105,80 @@ impl KvCache {
         Ok(())
     }
 
+    /// Stacks single-sequence caches into one cache of `parts.len()` sequences, right-aligned:
+    /// every part ends at the same position, and part `b` starts after `pads[b]` leading rows
+    /// (returned) that hold zeros and must be masked out by the caller. Keys are stored after
+    /// rotary embedding, so each sequence keeps its own positions. `capacity` is the room of the
+    /// new cache, at least the longest part.
+    pub fn stack_right_aligned(parts: &[KvCache], capacity: usize) -> Result<(Self, Vec<usize>)> {
+        let longest = parts.iter().map(|p| p.len).max().unwrap_or(0);
+        let Some(first) = parts.first() else {
+            return Err(ModelError::Input("no caches to stack".into()));
+        };
+        if capacity < longest || parts.iter().any(|p| p.keys.len() != first.keys.len()) {
+            return Err(ModelError::Input(format!(
+                "cannot stack {} caches (longest {longest} positions) into a capacity of {capacity}",
+                parts.len()
+            )));
+        }
+        let pads: Vec<usize> = parts.iter().map(|p| longest - p.len).collect();
+        let stack = |layers: fn(&KvCache) -> &Vec<Tensor>, layer: usize| -> Result<Tensor> {
+            let sample = &layers(first)[layer];
+            let size = sample.size();
+            let alike = |p: &KvCache| {
+                let s = layers(p)[layer].size();
+                s[0] == 1 && s[1] == size[1] && s[3] == size[3]
+            };
+            if !parts.iter().all(alike) {
+                return Err(ModelError::Input(format!(
+                    "only single-sequence caches of one model stack, got {size:?}"
+                )));
+            }
+            let out = Tensor::f_zeros(
+                [parts.len() as i64, size[1], capacity as i64, size[3]],
+                (sample.kind(), sample.device()),
+            )?;
+            for (row, (part, &pad)) in parts.iter().zip(&pads).enumerate() {
+                out.get(row as i64)
+                    .narrow(1, pad as i64, part.len as i64)
+                    .copy_(&layers(part)[layer].get(0).narrow(1, 0, part.len as i64));
+            }
+            Ok(out)
+        };
+        let layers = first.keys.len();
+        let keys = (0..layers)
+            .map(|l| stack(|c| &c.keys, l))
+            .collect::<Result<Vec<_>>>()?;
+        let values = (0..layers)
+            .map(|l| stack(|c| &c.values, l))
+            .collect::<Result<Vec<_>>>()?;
+        let cache = Self {
+            keys,
+            values,
+            len: longest,
+            capacity,
+        };
+        Ok((cache, pads))
+    }
+
+    /// Keeps only the sequences `rows` (indices into the batch, in the new order), dropping the
+    /// others: batched generation sheds finished sequences so they stop costing compute.
+    pub fn retain_sequences(&mut self, rows: &[usize]) -> Result<()> {
+        let batch = self.keys.first().map_or(0, |k| k.size()[0] as usize);
+        if rows.is_empty() || rows.iter().any(|&r| r >= batch) {
+            return Err(ModelError::Input(format!(
+                "cannot keep sequences {rows:?} of a cache of {batch}"
+            )));
+        }
+        let device = self.keys[0].device();
+        let index: Vec<i64> = rows.iter().map(|&r| r as i64).collect();
+        let index = Tensor::from_slice(&index).to_device(device);
+        for cache in self.keys.iter_mut().chain(self.values.iter_mut()) {
+            *cache = cache.index_select(0, &index);
+        }
+        Ok(())
+    }
+
     /// The valid keys and values of `layer`: views of shape `[batch, kv_heads, len, head_dim]`.
     pub fn layer(&self, layer: usize) -> (Tensor, Tensor) {
         let len = self.len as i64;

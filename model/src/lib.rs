@@ -30,7 +30,7 @@ pub mod weights;
 pub use chat::{ChatTemplate, Message};
 pub use config::{Architecture, ModelConfig};
 pub use error::{ModelError, Result};
-pub use generate::{check_request, generate, Generation, StopReason};
+pub use generate::{check_request, generate, generate_batch, Generation, StopReason};
 pub use kv_cache::KvCache;
 pub use llama::{CausalLm, DecoderLayer, ForwardInput, ForwardOutput, Llama, LmHead, Rotary};
 pub use sampling::{Sampler, SamplingArgs, SamplingParams};

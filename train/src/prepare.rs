@@ -69,6 +69,13 @@ pub struct PrepareArgs {
     /// Longest regenerated reply, in tokens.
     #[arg(long, default_value_t = 512)]
     regen_max_new_tokens: usize,
+    /// Conversations regenerated together, in one batched generation (docs/benchmarks.md has
+    /// the rates measured for 1, 32 and 64 on the CPU).
+    #[arg(long, default_value_t = 64)]
+    regen_batch: usize,
+    /// Regenerate only the first N assistant turns of each conversation and drop the rest.
+    #[arg(long)]
+    regen_turns: Option<usize>,
     /// Seed of regeneration sampling.
     #[arg(long, default_value_t = 0)]
     seed: u64,
@@ -134,6 +141,8 @@ pub fn run_prepare(args: PrepareArgs) -> anyhow::Result<()> {
             top_k: args.regen_top_k,
             max_new_tokens: args.regen_max_new_tokens,
             seed: args.seed,
+            batch: args.regen_batch,
+            max_turns: args.regen_turns,
         }),
         taps: args.layers.clone(),
         dtype: args.dtype,
@@ -274,6 +283,14 @@ impl PrepareObserver for Progress {
     }
 
     fn extraction_started(&mut self, plan: &ExtractionPlan) {
+        if let Some(bar) = self.bar.as_ref().filter(|_| self.regenerated_tokens > 0) {
+            let seconds = bar.elapsed().as_secs_f64();
+            eprintln!(
+                "regenerated {} tokens in {seconds:.0} s ({:.0} tokens/s, prompts included)",
+                self.regenerated_tokens,
+                self.regenerated_tokens as f64 / seconds.max(1e-9)
+            );
+        }
         eprintln!(
             "extracting {} sequences, {} tokens into {} shards ({} already done); about {:.1} MB \
              on disk",

@@ -76,6 +76,17 @@ pub struct RegenerateSettings {
     /// Cap on each regenerated reply (the sequence's `max_len` caps it too).
     pub max_new_tokens: usize,
     pub seed: u64,
+    /// Conversations generated together (their replies differ from one-at-a-time generation in
+    /// the last bits of floating point, so the batch is part of what decides the data).
+    #[serde(default = "one")]
+    pub batch: usize,
+    /// Keep only the first N assistant turns (regenerated) and what precedes each; `None`: all.
+    #[serde(default)]
+    pub max_turns: Option<usize>,
+}
+
+fn one() -> usize {
+    1
 }
 
 /// Everything that decides the shards' bytes. A run resumes only into a directory whose

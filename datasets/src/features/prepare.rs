@@ -27,7 +27,7 @@ use crate::features::manifest::{
     ShardSplit, TargetInfo, FEATURES_FORMAT,
 };
 use crate::features::shard::ShardData;
-use crate::regenerate::regenerate;
+use crate::regenerate::{dedupe_for_regeneration, regenerate};
 use crate::split::{split_of, Split};
 
 /// File of the self-distillation journal inside the output directory.
@@ -197,6 +197,12 @@ fn check_options(target: &Target, options: &PrepareOptions) -> Result<()> {
             layers - 1
         ));
     }
+    if options
+        .regenerate
+        .is_some_and(|r| r.batch == 0 || r.max_turns == Some(0))
+    {
+        return invalid("--regen-batch and --regen-turns must be at least 1".into());
+    }
     if !(0.0..=1.0).contains(&options.held_out_fraction) {
         return invalid(format!(
             "held-out fraction {} is not in [0, 1]",
@@ -282,14 +288,23 @@ fn empty_manifest(settings: &Settings, counts: &Counts, options: &PrepareOptions
     }
 }
 
-/// Reads, dedupes and selects the conversations.
+/// Reads, dedupes (when regenerating, also by what the target will be asked) and selects the
+/// conversations.
 fn read_conversations(
     options: &PrepareOptions,
     observer: &mut dyn PrepareObserver,
 ) -> Result<(Vec<Conversation>, Counts)> {
     let corpus = read_corpus(&options.data, options.format)?;
     observer.message(&format!("{}: {}", options.data.display(), corpus.report));
-    let (mut unique, duplicates_dropped) = dedupe(corpus.conversations);
+    let (unique, mut duplicates_dropped) = dedupe(corpus.conversations);
+    let mut unique = match &options.regenerate {
+        Some(regen) => {
+            let (kept, dropped) = dedupe_for_regeneration(unique, regen.max_turns);
+            duplicates_dropped += dropped;
+            kept
+        }
+        None => unique,
+    };
     unique.truncate(options.max_seqs.unwrap_or(usize::MAX));
     let counts = Counts {
         corpus: corpus.report,
