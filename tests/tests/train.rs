@@ -280,3 +280,47 @@ fn features_of_another_target_and_a_corrupt_checkpoint_are_refused() {
         stderr(&eval)
     );
 }
+
+#[test]
+fn a_run_of_whole_epochs_reports_the_held_out_figures_of_its_final_weights() {
+    let dir = tempfile::tempdir().unwrap();
+    let root = dir.path();
+    features(root);
+    let out_dir = root.join("eagle");
+    let json = root.join("eagle.json");
+    let mut args = train_args("eagle", root, out_dir.to_str().unwrap(), &[]);
+    // Whole epochs instead of a step count: the run stops at the end of the last epoch.
+    let steps = args.iter().position(|a| a == "--steps").unwrap();
+    args.splice(steps..steps + 2, ["--epochs".to_string(), "2".to_string()]);
+    args.extend(["--json".to_string(), json.to_str().unwrap().to_string()]);
+    let out = headway_train(&as_strs(&args), None);
+    assert!(out.status.success(), "{}", stderr(&out));
+    let figures: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
+    let reported = figures["held_out"]["loss"].as_f64().unwrap();
+    let eval = run(
+        "headway-train",
+        &[
+            "eval",
+            "--heads",
+            out_dir.to_str().unwrap(),
+            "--features",
+            root.join("features").to_str().unwrap(),
+            "--target",
+            root.join("target").to_str().unwrap(),
+        ],
+    );
+    assert!(eval.status.success(), "{}", stderr(&eval));
+    let table = stdout(&eval);
+    let measured: f64 = table
+        .lines()
+        .find_map(|l| l.trim().strip_prefix("loss "))
+        .unwrap_or_else(|| panic!("no loss in {table}"))
+        .trim()
+        .parse()
+        .unwrap();
+    assert!(
+        (reported - measured).abs() < 1e-3,
+        "the run reported held-out loss {reported}, its final checkpoint evaluates to {measured}"
+    );
+}

@@ -266,10 +266,7 @@ fn train(
         args.features.display()
     );
     let summary = trainer.run(objective, args.resume)?;
-    let eval = match summary.last_eval {
-        Some(eval) => eval,
-        None => trainer.evaluate(objective)?,
-    };
+    let eval = &summary.eval;
     let training_seconds = summary.seconds - summary.checkpoint_seconds - summary.eval_seconds;
     let tokens_per_s = summary.tokens as f64 / training_seconds.max(1e-9);
     println!(
@@ -285,7 +282,7 @@ fn train(
             .as_ref()
             .map_or("(none)".into(), |p| p.display().to_string())
     );
-    println!("held-out: {}", summary_line(&eval));
+    println!("held-out: {}", summary_line(eval));
     if let Some(path) = &args.json {
         let figures = serde_json::json!({
             "head": head.name(),

@@ -69,8 +69,8 @@ pub struct PrepareArgs {
     /// Longest regenerated reply, in tokens.
     #[arg(long, default_value_t = 512)]
     regen_max_new_tokens: usize,
-    /// Conversations regenerated together, in one batched generation (docs/benchmarks.md has
-    /// the rates measured for 1, 32 and 64 on the CPU).
+    /// Conversations regenerated together, in one batched generation (rates measured on the
+    /// CPU are in docs/benchmarks.md).
     #[arg(long, default_value_t = 64)]
     regen_batch: usize,
     /// Regenerate only the first N assistant turns of each conversation and drop the rest.

@@ -60,7 +60,8 @@ pub struct TrainSummary {
     /// Of which writing checkpoints and evaluating the held-out split.
     pub checkpoint_seconds: f64,
     pub eval_seconds: f64,
-    pub last_eval: Option<Metrics>,
+    /// Held-out figures of the final weights.
+    pub eval: Metrics,
     pub checkpoint: Option<PathBuf>,
 }
 
@@ -87,7 +88,7 @@ impl Trainer<'_> {
         let mut writer = SummaryWriter::new(self.out.join("logs"));
         let bar = progress_bar(s.total_steps, step);
         let start = Instant::now();
-        let (mut tokens, mut last_eval, mut checkpoint) = (0usize, None, None);
+        let (mut tokens, mut last_eval, mut checkpoint) = (0usize, None::<(u64, Metrics)>, None);
         let (mut checkpoint_seconds, mut eval_seconds) = (0.0, 0.0);
         while step < s.total_steps {
             let mut metrics = Metrics::default();
@@ -109,7 +110,7 @@ impl Trainer<'_> {
                     } else {
                         bar.println(line);
                     }
-                    last_eval = Some(eval);
+                    last_eval = Some((step, eval));
                     continue;
                 };
                 // Noise and any other randomness depend only on (seed, step, micro-batch).
@@ -147,6 +148,17 @@ impl Trainer<'_> {
             }
         }
         bar.finish();
+        // A run of whole epochs stops before it asks for the batch that would end the last one.
+        let eval = match last_eval {
+            Some((at, eval)) if at == step => eval,
+            _ => {
+                let eval_start = Instant::now();
+                let eval = self.evaluate(objective)?;
+                eval_seconds += eval_start.elapsed().as_secs_f64();
+                log_metrics(&mut writer, "eval", &eval, step);
+                eval
+            }
+        };
         writer.flush();
         Ok(TrainSummary {
             steps: step,
@@ -154,7 +166,7 @@ impl Trainer<'_> {
             seconds: start.elapsed().as_secs_f64(),
             checkpoint_seconds,
             eval_seconds,
-            last_eval,
+            eval,
             checkpoint,
         })
     }
