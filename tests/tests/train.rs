@@ -79,6 +79,22 @@ fn train_args<'a>(head: &'a str, root: &'a Path, out: &'a str, extra: &[&'a str]
     args
 }
 
+/// `headway-train eval` of the checkpoint in `heads` on the features under `root`.
+fn eval_heads(heads: &Path, root: &Path) -> Output {
+    run(
+        "headway-train",
+        &[
+            "eval",
+            "--heads",
+            heads.to_str().unwrap(),
+            "--features",
+            root.join("features").to_str().unwrap(),
+            "--target",
+            root.join("target").to_str().unwrap(),
+        ],
+    )
+}
+
 fn as_strs(args: &[String]) -> Vec<&str> {
     args.iter().map(String::as_str).collect()
 }
@@ -122,18 +138,7 @@ fn a_resumed_run_ends_with_the_same_weights_as_an_uninterrupted_one() {
             "no tensorboard log"
         );
 
-        let eval = run(
-            "headway-train",
-            &[
-                "eval",
-                "--heads",
-                whole.to_str().unwrap(),
-                "--features",
-                root.join("features").to_str().unwrap(),
-                "--target",
-                root.join("target").to_str().unwrap(),
-            ],
-        );
+        let eval = eval_heads(&whole, root);
         assert!(eval.status.success(), "{}", stderr(&eval));
         let table = stdout(&eval);
         let wanted = if head == "eagle" {
@@ -261,18 +266,7 @@ fn features_of_another_target_and_a_corrupt_checkpoint_are_refused() {
     let mut bytes = std::fs::read(&weights).unwrap();
     bytes[100] ^= 1;
     std::fs::write(&weights, bytes).unwrap();
-    let eval = run(
-        "headway-train",
-        &[
-            "eval",
-            "--heads",
-            out.to_str().unwrap(),
-            "--features",
-            root.join("features").to_str().unwrap(),
-            "--target",
-            root.join("target").to_str().unwrap(),
-        ],
-    );
+    let eval = eval_heads(&out, root);
     assert!(!eval.status.success());
     assert!(
         stderr(&eval).contains("step-00000006") && stderr(&eval).contains("corrupt"),
@@ -298,18 +292,7 @@ fn a_run_of_whole_epochs_reports_the_held_out_figures_of_its_final_weights() {
     let figures: serde_json::Value =
         serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
     let reported = figures["held_out"]["loss"].as_f64().unwrap();
-    let eval = run(
-        "headway-train",
-        &[
-            "eval",
-            "--heads",
-            out_dir.to_str().unwrap(),
-            "--features",
-            root.join("features").to_str().unwrap(),
-            "--target",
-            root.join("target").to_str().unwrap(),
-        ],
-    );
+    let eval = eval_heads(&out_dir, root);
     assert!(eval.status.success(), "{}", stderr(&eval));
     let table = stdout(&eval);
     let measured: f64 = table
