@@ -151,6 +151,11 @@ impl EagleModules<'_> {
     pub fn logits(&self, features: &Tensor) -> Tensor {
         self.lm_head.forward(features)
     }
+
+    /// The frozen LM head's weight `[draft vocab, hidden]`.
+    pub fn lm_head_weight(&self) -> &Tensor {
+        self.lm_head.weight()
+    }
 }
 
 /// Names and shapes of the parameters of an EAGLE head for a target with config `c` (EAGLE

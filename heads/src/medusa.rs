@@ -98,6 +98,13 @@ impl MedusaHeads {
 
     /// Logits of head `k`.
     pub fn head(&self, k: usize, hidden: &Tensor) -> Result<Tensor> {
+        Ok(self
+            .head_features(k, hidden)?
+            .matmul(&self.lm_head(k)?.tr()))
+    }
+
+    /// What head `k`'s LM head reads: `hidden` after the head's residual blocks.
+    pub fn head_features(&self, k: usize, hidden: &Tensor) -> Result<Tensor> {
         let mut x = hidden.to_kind(Kind::Float);
         for l in 0..self.config.num_layers {
             let block = Linear::new(
@@ -112,13 +119,17 @@ impl MedusaHeads {
             );
             x = &x + block.forward(&x).silu();
         }
-        let lm_head = if self.config.shared_lm_head {
-            &self.frozen_lm_head
+        Ok(x)
+    }
+
+    /// Head `k`'s LM head weight `[vocab, hidden]`: its own (a parameter) or the shared frozen one.
+    pub fn lm_head(&self, k: usize) -> Result<&Tensor> {
+        if self.config.shared_lm_head {
+            Ok(&self.frozen_lm_head)
         } else {
             self.params
-                .get(&format!("{k}.{}.weight", self.config.num_layers))?
-        };
-        Ok(x.matmul(&lm_head.tr()))
+                .get(&format!("{k}.{}.weight", self.config.num_layers))
+        }
     }
 }
 

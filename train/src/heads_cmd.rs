@@ -18,6 +18,7 @@ use crate::data::BatchStream;
 use crate::objective::{EagleObjective, MedusaObjective, Objective};
 use crate::optim::AdamWConfig;
 use crate::trainer::{evaluate, summary_line, TrainSettings, Trainer};
+use crate::vocab_loss::Scratch;
 
 /// Options every head trainer takes.
 #[derive(clap::Args)]
@@ -317,6 +318,7 @@ pub fn run_medusa(args: MedusaArgs) -> anyhow::Result<()> {
         decay: args.decay,
         draft: draft.clone(),
         target_vocab: setup.target.model.config().vocab_size,
+        scratch: Scratch::default(),
     };
     train(
         &setup,
@@ -341,6 +343,8 @@ pub fn run_eagle(args: EagleArgs) -> anyhow::Result<()> {
         noise: args.noise,
         classification_weight: args.classification_weight,
         chain_steps: 5,
+        target_scratch: Scratch::default(),
+        logits_scratch: Scratch::default(),
     };
     train(
         &setup,
@@ -364,12 +368,15 @@ pub fn run_eval(args: EvalArgs) -> anyhow::Result<()> {
             decay: 0.8,
             draft,
             target_vocab: setup.target.model.config().vocab_size,
+            scratch: Scratch::default(),
         }),
         DraftHead::Eagle(head) => Box::new(EagleObjective {
             head,
             noise: 0.0,
             classification_weight: 0.1,
             chain_steps: 5,
+            target_scratch: Scratch::default(),
+            logits_scratch: Scratch::default(),
         }),
     };
     let metrics = evaluate(

@@ -8,6 +8,7 @@ mod objective;
 mod optim;
 mod prepare;
 mod trainer;
+mod vocab_loss;
 
 use std::path::PathBuf;
 use std::process::ExitCode;

@@ -9,6 +9,7 @@ use headway_model::mask::positions;
 use tch::{Kind, Reduction, Tensor};
 
 use crate::data::Batch;
+use crate::vocab_loss::{projected_cross_entropy, projected_softmax, Scratch, VocabTarget};
 
 /// Sums and counts of named figures; reported as means.
 #[derive(Debug, Default, Clone)]
@@ -72,24 +73,14 @@ fn to_draft(
     }
 }
 
-/// Top-1 and top-5 hits of `logits` `[n, vocab]` against `targets` `[n]`: a target is in the top
-/// k when fewer than k logits exceed its own (one comparison pass, much cheaper than `topk`).
-fn top_hits(logits: &Tensor, targets: &Tensor) -> (f64, f64) {
-    let own = logits.gather(1, &targets.unsqueeze(-1), false);
-    let rank = logits
-        .gt_tensor(&own)
-        .sum_dim_intlist(-1, false, Kind::Int64);
-    let top1 = rank.eq(0).sum(Kind::Float).double_value(&[]);
-    let top5 = rank.lt(5).sum(Kind::Float).double_value(&[]);
-    (top1, top5)
-}
-
 pub struct MedusaObjective {
     pub heads: MedusaHeads,
     /// Loss weight of head k: `decay^k`.
     pub decay: f64,
     pub draft: Option<DraftVocab>,
     pub target_vocab: usize,
+    /// Where the heads' logits are computed, step after step.
+    pub scratch: Scratch,
 }
 
 impl Objective for MedusaObjective {
@@ -126,16 +117,21 @@ impl Objective for MedusaObjective {
                 .masked_select(&valid.unsqueeze(-1))
                 .view([count, -1]);
             let targets = targets.masked_select(&valid);
-            let logits = self.heads.head(k, &features)?;
-            let loss =
-                logits.cross_entropy_loss::<Tensor>(&targets, None, Reduction::Mean, -100, 0.0);
+            let scored = projected_cross_entropy(
+                &self.heads.head_features(k, &features)?,
+                self.heads.lm_head(k)?,
+                VocabTarget::Token(&targets),
+                &targets,
+                backward_scale.is_some(),
+                &mut self.scratch,
+            );
             let weight = self.decay.powi(k as i32);
             if let Some(scale) = backward_scale {
-                (&loss * (weight * scale)).backward();
+                (&scored.loss * (weight * scale)).backward();
             }
-            let value = loss.double_value(&[]);
+            let value = scored.loss.double_value(&[]);
             total += weight * value;
-            let (top1, top5) = tch::no_grad(|| top_hits(&logits, &targets));
+            let (top1, top5) = (scored.top1, scored.top5);
             let n = count as f64;
             metrics.add(&format!("head{k}/loss"), value * n, n);
             metrics.add(&format!("head{k}/top1"), top1, n);
@@ -154,6 +150,9 @@ pub struct EagleObjective {
     pub classification_weight: f64,
     /// Rounds of the chain-acceptance estimate in evaluation.
     pub chain_steps: usize,
+    /// Where the target's next-token distributions and the head's logits are computed.
+    pub target_scratch: Scratch,
+    pub logits_scratch: Scratch,
 }
 
 /// Predicted features for positions 1.. from input features for positions ..T-1.
@@ -195,20 +194,18 @@ impl Objective for EagleObjective {
         let pick = |t: &Tensor| t.masked_select(&valid.unsqueeze(-1)).view([count, -1]);
         let (predicted, target) = (pick(&predicted), pick(&target));
         let regression = predicted.smooth_l1_loss(&target, Reduction::Mean, 1.0);
-        // Target side first, so its [n, vocab] logits are freed before the predicted side's.
-        let (target_probs, greedy) = tch::no_grad(|| {
-            let logits = modules.logits(&target);
-            (logits.softmax(-1, Kind::Float), logits.argmax(-1, false))
-        });
-        let predicted_logits = modules.logits(&predicted);
-        let (top1, top5) = tch::no_grad(|| top_hits(&predicted_logits, &greedy));
-        // Soft cross-entropy -Σ p log softmax(z) = logsumexp(z) - Σ p z (Σ p = 1): the same value
-        // and gradient without a [n, vocab] log-softmax tensor.
-        let classification = (predicted_logits.logsumexp([-1], false)
-            - (&target_probs * &predicted_logits).sum_dim_intlist(-1, false, Kind::Float))
-        .mean(Kind::Float);
-        drop(target_probs);
-        drop(predicted_logits);
+        let target_probs =
+            projected_softmax(&target, modules.lm_head_weight(), &mut self.target_scratch);
+        let greedy = target_probs.argmax(-1, false);
+        let scored = projected_cross_entropy(
+            &predicted,
+            modules.lm_head_weight(),
+            VocabTarget::Distribution(&target_probs),
+            &greedy,
+            backward_scale.is_some(),
+            &mut self.logits_scratch,
+        );
+        let (classification, top1, top5) = (scored.loss, scored.top1, scored.top5);
         let loss = &regression + &classification * self.classification_weight;
         if let Some(scale) = backward_scale {
             (&loss * scale).backward();
