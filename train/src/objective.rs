@@ -9,7 +9,9 @@ use headway_model::mask::positions;
 use tch::{Kind, Reduction, Tensor};
 
 use crate::data::Batch;
-use crate::vocab_loss::{projected_cross_entropy, projected_softmax, Scratch, VocabTarget};
+use crate::vocab_loss::{
+    projected_argmax, projected_cross_entropy, projected_softmax, Scratch, VocabTarget,
+};
 
 /// Sums and counts of named figures; reported as means.
 #[derive(Debug, Default, Clone)]
@@ -239,13 +241,13 @@ impl Objective for EagleObjective {
         // Scored only where the loss is (assistant positions): the LM head is the costly part.
         let pick = |t: &Tensor| t.masked_select(&valid.unsqueeze(-1)).view([count, -1]);
         let modules = self.head.modules()?;
-        let greedy = modules
-            .logits(&pick(&batch.hidden.narrow(1, 1, len - 1)))
-            .argmax(-1, false);
+        let lm_head = modules.lm_head_weight();
+        let scratch = &mut self.logits_scratch;
+        let greedy = projected_argmax(&pick(&batch.hidden.narrow(1, 1, len - 1)), lm_head, scratch);
         let mut inputs = batch.hidden.narrow(1, 0, len - 1);
         for step in 1..=self.chain_steps {
             let predicted = predict(&modules, &inputs, batch)?;
-            let drafted = modules.logits(&pick(&predicted)).argmax(-1, false);
+            let drafted = projected_argmax(&pick(&predicted), lm_head, scratch);
             let hits = drafted
                 .eq_tensor(&greedy)
                 .sum(Kind::Float)

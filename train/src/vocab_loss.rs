@@ -31,13 +31,21 @@ impl Scratch {
     }
 }
 
+/// The logits `x Wᵀ` `[n, vocab]`, written into `scratch` (valid until its next use); no gradient.
+fn projected_logits(x: &Tensor, weight: &Tensor, scratch: &mut Scratch) -> Tensor {
+    let z = scratch.view(x.size()[0], weight.size()[0], x.device());
+    tch::no_grad(|| x.detach().mm_out(&z, &weight.detach().tr()))
+}
+
 /// `softmax(x Wᵀ)` `[n, vocab]`, computed in `scratch` (valid until its next use).
 pub fn projected_softmax(x: &Tensor, weight: &Tensor, scratch: &mut Scratch) -> Tensor {
-    tch::no_grad(|| {
-        let z = scratch.view(x.size()[0], weight.size()[0], x.device());
-        let _ = x.mm_out(&z, &weight.tr());
-        z.softmax_int_out(&z, -1, Kind::Float)
-    })
+    let z = projected_logits(x, weight, scratch);
+    tch::no_grad(|| z.softmax_int_out(&z, -1, Kind::Float))
+}
+
+/// The top-scoring index of `x Wᵀ` per row, `[n]`, computed in `scratch`.
+pub fn projected_argmax(x: &Tensor, weight: &Tensor, scratch: &mut Scratch) -> Tensor {
+    tch::no_grad(|| projected_logits(x, weight, scratch).argmax(-1, false))
 }
 
 /// What each row's logits are scored against.
@@ -71,8 +79,7 @@ pub fn projected_cross_entropy(
     let n = x.size()[0];
     let (x_value, weight_value) = (x.detach(), weight.detach());
     let (value, top1, top5, grads) = tch::no_grad(|| {
-        let mut z = scratch.view(n, weight.size()[0], x.device());
-        let _ = x_value.mm_out(&z, &weight_value.tr());
+        let mut z = projected_logits(&x_value, &weight_value, scratch);
         let (top1, top5) = top_hits(&z, reference);
         // Per row, CE = log Σ exp(z) − Σ p z (Σ p = 1), and log Σ exp(z) = max z − log max softmax(z).
         let max = z.amax([-1], false);
@@ -262,6 +269,8 @@ mod tests {
             let probs = projected_softmax(&c.x, &c.weight, &mut shared);
             let expected = c.x.matmul(&c.weight.tr()).softmax(-1, Kind::Float);
             assert!(max_difference(&probs, &expected) < 1e-6);
+            let best = projected_argmax(&c.x, &c.weight, &mut shared);
+            assert!(best.equal(&expected.argmax(-1, false)));
             let scored = |scratch: &mut Scratch| {
                 let target = VocabTarget::Distribution(&c.probs);
                 let loss =
