@@ -18,7 +18,6 @@ use crate::data::BatchStream;
 use crate::objective::{EagleObjective, MedusaObjective, Objective};
 use crate::optim::AdamWConfig;
 use crate::trainer::{evaluate, summary_line, TrainSettings, Trainer};
-use crate::vocab_loss::Scratch;
 
 /// Options every head trainer takes.
 #[derive(clap::Args)]
@@ -313,13 +312,12 @@ pub fn run_medusa(args: MedusaArgs) -> anyhow::Result<()> {
         vocab_size: lm_head.size()[0] as usize,
         shared_lm_head: args.shared_lm_head,
     };
-    let mut objective = MedusaObjective {
-        heads: MedusaHeads::new(config.clone(), &lm_head)?,
-        decay: args.decay,
-        draft: draft.clone(),
-        target_vocab: setup.target.model.config().vocab_size,
-        scratch: Scratch::default(),
-    };
+    let mut objective = MedusaObjective::new(
+        MedusaHeads::new(config.clone(), &lm_head)?,
+        args.decay,
+        draft.clone(),
+        setup.target.model.config().vocab_size,
+    );
     train(
         &setup,
         &args.common,
@@ -338,14 +336,7 @@ pub fn run_eagle(args: EagleArgs) -> anyhow::Result<()> {
         setup.target.model.model.embed_tokens(),
         &lm_head_rows(&setup.target, draft.as_ref()),
     )?;
-    let mut objective = EagleObjective {
-        head,
-        noise: args.noise,
-        classification_weight: args.classification_weight,
-        chain_steps: 5,
-        target_scratch: Scratch::default(),
-        logits_scratch: Scratch::default(),
-    };
+    let mut objective = EagleObjective::new(head, args.noise, args.classification_weight);
     train(
         &setup,
         &args.common,
@@ -363,21 +354,13 @@ pub fn run_eval(args: EvalArgs) -> anyhow::Result<()> {
         checkpoint,
     } = load_head(&args.heads, &setup.target)?;
     let mut objective: Box<dyn Objective> = match head {
-        DraftHead::Medusa(heads) => Box::new(MedusaObjective {
+        DraftHead::Medusa(heads) => Box::new(MedusaObjective::new(
             heads,
-            decay: 0.8,
+            0.8,
             draft,
-            target_vocab: setup.target.model.config().vocab_size,
-            scratch: Scratch::default(),
-        }),
-        DraftHead::Eagle(head) => Box::new(EagleObjective {
-            head,
-            noise: 0.0,
-            classification_weight: 0.1,
-            chain_steps: 5,
-            target_scratch: Scratch::default(),
-            logits_scratch: Scratch::default(),
-        }),
+            setup.target.model.config().vocab_size,
+        )),
+        DraftHead::Eagle(head) => Box::new(EagleObjective::new(head, 0.0, 0.1)),
     };
     let metrics = evaluate(
         &setup.features,

@@ -82,7 +82,24 @@ pub struct MedusaObjective {
     pub draft: Option<DraftVocab>,
     pub target_vocab: usize,
     /// Where the heads' logits are computed, step after step.
-    pub scratch: Scratch,
+    scratch: Scratch,
+}
+
+impl MedusaObjective {
+    pub fn new(
+        heads: MedusaHeads,
+        decay: f64,
+        draft: Option<DraftVocab>,
+        target_vocab: usize,
+    ) -> Self {
+        Self {
+            heads,
+            decay,
+            draft,
+            target_vocab,
+            scratch: Scratch::default(),
+        }
+    }
 }
 
 impl Objective for MedusaObjective {
@@ -153,8 +170,24 @@ pub struct EagleObjective {
     /// Rounds of the chain-acceptance estimate in evaluation.
     pub chain_steps: usize,
     /// Where the target's next-token distributions and the head's logits are computed.
-    pub target_scratch: Scratch,
-    pub logits_scratch: Scratch,
+    target_scratch: Scratch,
+    logits_scratch: Scratch,
+}
+
+/// Rounds of EAGLE's chain-acceptance estimate (α1..α5).
+const EAGLE_CHAIN_STEPS: usize = 5;
+
+impl EagleObjective {
+    pub fn new(head: EagleHead, noise: f64, classification_weight: f64) -> Self {
+        Self {
+            head,
+            noise,
+            classification_weight,
+            chain_steps: EAGLE_CHAIN_STEPS,
+            target_scratch: Scratch::default(),
+            logits_scratch: Scratch::default(),
+        }
+    }
 }
 
 /// Predicted features for positions 1.. from input features for positions ..T-1.

@@ -95,10 +95,8 @@ impl Trainer<'_> {
             let mut micro = 0;
             while micro < s.grad_accum {
                 let Some(batch) = stream.next_batch()? else {
-                    let eval_start = Instant::now();
-                    let eval = self.evaluate(objective)?;
-                    eval_seconds += eval_start.elapsed().as_secs_f64();
-                    log_metrics(&mut writer, "eval", &eval, step);
+                    let eval =
+                        self.logged_evaluation(objective, &mut writer, step, &mut eval_seconds)?;
                     let line = format!(
                         "epoch {} done at step {step}: held-out {}",
                         stream.position.epoch,
@@ -151,13 +149,7 @@ impl Trainer<'_> {
         // A run of whole epochs stops before it asks for the batch that would end the last one.
         let eval = match last_eval {
             Some((at, eval)) if at == step => eval,
-            _ => {
-                let eval_start = Instant::now();
-                let eval = self.evaluate(objective)?;
-                eval_seconds += eval_start.elapsed().as_secs_f64();
-                log_metrics(&mut writer, "eval", &eval, step);
-                eval
-            }
+            _ => self.logged_evaluation(objective, &mut writer, step, &mut eval_seconds)?,
         };
         writer.flush();
         Ok(TrainSummary {
@@ -179,6 +171,21 @@ impl Trainer<'_> {
             self.settings.batch_tokens,
             self.device,
         )
+    }
+
+    /// [`Self::evaluate`], its figures logged at `step` and its time added to `seconds`.
+    fn logged_evaluation(
+        &self,
+        objective: &mut dyn Objective,
+        writer: &mut SummaryWriter,
+        step: u64,
+        seconds: &mut f64,
+    ) -> anyhow::Result<Metrics> {
+        let start = Instant::now();
+        let eval = self.evaluate(objective)?;
+        *seconds += start.elapsed().as_secs_f64();
+        log_metrics(writer, "eval", &eval, step);
+        Ok(eval)
     }
 
     fn save(
