@@ -106,7 +106,11 @@ fn a_resumed_run_ends_with_the_same_weights_as_an_uninterrupted_one() {
     features(root);
     for (head, extra) in [
         ("eagle", &[][..]),
-        ("medusa", &["--heads", "2", "--draft-vocab", "64"][..]),
+        // bf16 autocast too resumes bit for bit.
+        (
+            "medusa",
+            &["--heads", "2", "--draft-vocab", "64", "--precision", "bf16"][..],
+        ),
     ] {
         let whole = root.join(format!("{head}-whole"));
         let parts = root.join(format!("{head}-parts"));
@@ -150,6 +154,31 @@ fn a_resumed_run_ends_with_the_same_weights_as_an_uninterrupted_one() {
             assert!(table.contains(name), "{head} eval lacks {name}: {table}");
         }
     }
+}
+
+#[test]
+fn bf16_training_keeps_f32_weights_and_computes_differently_from_f32() {
+    let dir = tempfile::tempdir().unwrap();
+    let root = dir.path();
+    features(root);
+    let weights = |precision: &str| {
+        let out = root.join(format!("eagle-{precision}"));
+        let extra = ["--precision", precision];
+        let args = train_args("eagle", root, out.to_str().unwrap(), &extra);
+        let run = headway_train(&as_strs(&args), None);
+        assert!(run.status.success(), "{precision}: {}", stderr(&run));
+        std::fs::read(out.join("step-00000006/model.safetensors")).unwrap()
+    };
+    let (f32_weights, bf16_weights) = (weights("f32"), weights("bf16"));
+    assert_eq!(
+        f32_weights.len(),
+        bf16_weights.len(),
+        "same tensors, both f32"
+    );
+    assert!(
+        f32_weights != bf16_weights,
+        "bf16 training left the weights bit-identical to f32 training"
+    );
 }
 
 #[test]

@@ -17,7 +17,7 @@ use tch::{Kind, Tensor};
 use crate::data::BatchStream;
 use crate::objective::{EagleObjective, MedusaObjective, Objective};
 use crate::optim::AdamWConfig;
-use crate::trainer::{evaluate, summary_line, TrainSettings, Trainer};
+use crate::trainer::{evaluate, summary_line, Precision, TrainSettings, Trainer};
 
 /// Options every head trainer takes.
 #[derive(clap::Args)]
@@ -71,6 +71,9 @@ pub struct TrainArgs {
     /// vocabulary (a smaller LM-head product per draft step).
     #[arg(long)]
     draft_vocab: Option<usize>,
+    /// Arithmetic of the training steps [default: bf16 on CUDA, f32 elsewhere].
+    #[arg(long, value_enum)]
+    precision: Option<Precision>,
     /// Also write the run's figures (steps, tokens, seconds, tokens/s, held-out figures) to this
     /// JSON file (scripts/bench_train_torch.py compares them with PyTorch).
     #[arg(long)]
@@ -218,6 +221,10 @@ fn settings(
             ..AdamWConfig::default()
         },
         save_every: args.save_every,
+        precision: args.precision.unwrap_or(match device {
+            tch::Device::Cuda(_) => Precision::Bf16,
+            _ => Precision::F32,
+        }),
     })
 }
 

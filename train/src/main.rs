@@ -1,6 +1,7 @@
 //! `headway-train`: make a target usable (convert), prepare and verify its features, and (as the
 //! pipeline grows) train draft heads.
 
+mod autocast;
 mod data;
 mod heads_cmd;
 mod interop;

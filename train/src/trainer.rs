@@ -11,9 +11,10 @@ use headway_datasets::features::{FeatureSet, ShardSplit};
 use headway_datasets::split::mix64;
 use indicatif::{ProgressBar, ProgressStyle};
 use serde::{Deserialize, Serialize};
-use tch::Device;
+use tch::{Device, Kind};
 use tensorboard_rs::summary_writer::SummaryWriter;
 
+use crate::autocast::with_autocast;
 use crate::data::{BatchStream, DataPosition};
 use crate::objective::{Metrics, Objective};
 use crate::optim::{clip_grad_norm, learning_rate, AdamW, AdamWConfig};
@@ -31,6 +32,20 @@ pub struct TrainSettings {
     pub seed: u64,
     pub adamw: AdamWConfig,
     pub save_every: u64,
+    /// Arithmetic of the training forward and backward (checkpoints before it existed: f32).
+    #[serde(default)]
+    pub precision: Precision,
+}
+
+/// How the heads' training steps compute; weights, optimizer moments and held-out evaluation
+/// stay f32 whatever it is.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize, clap::ValueEnum)]
+#[serde(rename_all = "lowercase")]
+pub enum Precision {
+    #[default]
+    F32,
+    /// Autocast to bf16: matrix products in bf16, softmaxes and losses in f32.
+    Bf16,
 }
 
 /// What a checkpoint's `trainer_state.json` holds.
@@ -115,7 +130,8 @@ impl Trainer<'_> {
                 tch::manual_seed(
                     mix64(s.seed ^ mix64(step * s.grad_accum as u64 + micro as u64)) as i64,
                 );
-                metrics.merge(&objective.run(&batch, Some(1.0 / s.grad_accum as f64))?);
+                let scale = Some(1.0 / s.grad_accum as f64);
+                metrics.merge(&self.in_precision(|| objective.run(&batch, scale))??);
                 tokens += batch.tokens;
                 micro += 1;
             }
@@ -171,6 +187,14 @@ impl Trainer<'_> {
             self.settings.batch_tokens,
             self.device,
         )
+    }
+
+    /// `f()` computed in the run's precision.
+    fn in_precision<T>(&self, f: impl FnOnce() -> T) -> anyhow::Result<T> {
+        match self.settings.precision {
+            Precision::F32 => Ok(f()),
+            Precision::Bf16 => with_autocast(self.device, Kind::BFloat16, f),
+        }
     }
 
     /// [`Self::evaluate`], its figures logged at `step` and its time added to `seconds`.

@@ -11,8 +11,13 @@
 //! backward products `∂x = ∂z W` and `∂W = ∂zᵀ x` are taken at once. The returned loss hands them
 //! to autograd as `value + Σ (x − x̄) ∂x [+ Σ (W − W̄) ∂W]` (x̄, W̄ detached): the loss's value,
 //! exactly these gradients, and nothing vocabulary-sized kept for the backward pass.
+//!
+//! Under autocast (bf16 training on CUDA) the products run in the autocast kind and the
+//! softmax and loss in f32 in the buffer, as autocast itself would do them.
 
 use tch::{Device, Kind, Tensor};
+
+use crate::autocast::active_kind;
 
 /// A buffer for `[rows, vocab]` f32 tensors, kept between steps and grown when too small.
 #[derive(Default)]
@@ -34,7 +39,16 @@ impl Scratch {
 /// The logits `x Wᵀ` `[n, vocab]`, written into `scratch` (valid until its next use); no gradient.
 fn projected_logits(x: &Tensor, weight: &Tensor, scratch: &mut Scratch) -> Tensor {
     let z = scratch.view(x.size()[0], weight.size()[0], x.device());
-    tch::no_grad(|| x.detach().mm_out(&z, &weight.detach().tr()))
+    let (x, weight) = (x.detach(), weight.detach());
+    tch::no_grad(|| match active_kind(x.device()) {
+        // Autocast makes no `out=` variants: the product runs in its kind, then fills the buffer.
+        Some(_) => {
+            let mut z = z;
+            z.copy_(&x.mm(&weight.tr()));
+            z
+        }
+        None => x.mm_out(&z, &weight.tr()),
+    })
 }
 
 /// `softmax(x Wᵀ)` `[n, vocab]`, computed in `scratch` (valid until its next use).
@@ -241,6 +255,27 @@ mod tests {
         let expected = |below: i64| ranks.iter().filter(|&&r| r < below).count() as f64;
         assert_eq!(ours.top1, expected(1));
         assert_eq!(ours.top5, expected(5));
+    }
+
+    #[test]
+    fn under_bf16_autocast_the_products_round_and_the_figures_stay_close() {
+        let c = case(true);
+        let plain = plain_loss(&c, true);
+        let plain_grads = gradients(&c, &plain);
+        let ours = crate::autocast::with_autocast(Device::Cpu, Kind::BFloat16, || {
+            let target = VocabTarget::Distribution(&c.probs);
+            let mut scratch = Scratch::default();
+            projected_cross_entropy(&c.x, &c.weight, target, &c.tokens, true, &mut scratch)
+        })
+        .unwrap();
+        assert_eq!(ours.loss.kind(), Kind::Float);
+        assert!(max_difference(&ours.loss, &plain) < 0.05);
+        for (a, b) in gradients(&c, &ours.loss).iter().zip(&plain_grads) {
+            assert_eq!(a.kind(), Kind::Float);
+            let (difference, scale) = (max_difference(a, b), b.abs().max().double_value(&[]));
+            assert!(difference > 0.0, "the products ran in bf16");
+            assert!(difference < 0.03 * scale, "{difference} against {scale}");
+        }
     }
 
     #[test]
