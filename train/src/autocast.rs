@@ -32,13 +32,15 @@ fn device_type(device: Device) -> c_int {
     }
 }
 
-/// c10::ScalarType codes of the kinds autocast can run in.
+/// The kinds autocast can run in, with their c10::ScalarType codes.
+const AUTOCAST_KINDS: [(Kind, c_int); 2] = [(Kind::Half, 5), (Kind::BFloat16, 15)];
+
 fn scalar_type(kind: Kind) -> anyhow::Result<c_int> {
-    match kind {
-        Kind::Half => Ok(5),
-        Kind::BFloat16 => Ok(15),
-        other => anyhow::bail!("autocast runs in f16 or bf16, not {other:?}"),
-    }
+    AUTOCAST_KINDS
+        .iter()
+        .find(|(k, _)| *k == kind)
+        .map(|&(_, code)| code)
+        .ok_or_else(|| anyhow::anyhow!("autocast runs in f16 or bf16, not {kind:?}"))
 }
 
 /// The kind products run in on `device` when autocast is on there.
@@ -48,11 +50,10 @@ pub fn active_kind(device: Device) -> Option<Kind> {
     // C++ exception.
     let read =
         unsafe { headway_autocast_state(device_type(device), &mut enabled, &mut scalar_type) };
-    match (read && enabled, scalar_type) {
-        (true, 5) => Some(Kind::Half),
-        (true, 15) => Some(Kind::BFloat16),
-        _ => None,
-    }
+    let kind = AUTOCAST_KINDS
+        .iter()
+        .find(|&&(_, code)| code == scalar_type);
+    kind.filter(|_| read && enabled).map(|&(kind, _)| kind)
 }
 
 /// Runs `f` with autocast to `kind` on `device`: matrix products in `kind`, reductions and
