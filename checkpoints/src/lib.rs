@@ -67,14 +67,22 @@ fn invalid(path: &Path, message: impl Into<String>) -> CheckpointError {
 #[serde(tag = "kind", rename_all = "lowercase")]
 pub enum HeadKind {
     Medusa(MedusaConfig),
-    Eagle,
+    Eagle {
+        /// Decoder layers of the head (checkpoints from before the option hold one).
+        #[serde(default = "one_layer")]
+        layers: usize,
+    },
+}
+
+fn one_layer() -> usize {
+    1
 }
 
 impl HeadKind {
     pub fn name(&self) -> &'static str {
         match self {
             Self::Medusa(_) => "medusa",
-            Self::Eagle => "eagle",
+            Self::Eagle { .. } => "eagle",
         }
     }
 }
@@ -269,7 +277,7 @@ mod tests {
     fn config(step: u64) -> CheckpointConfig {
         CheckpointConfig {
             format: CHECKPOINT_FORMAT.into(),
-            head: HeadKind::Eagle,
+            head: HeadKind::Eagle { layers: 2 },
             target: TargetRef {
                 fingerprint: "sha256:abc".into(),
                 dir: "/t".into(),
@@ -312,6 +320,14 @@ mod tests {
             err.contains("sha256:abc") && err.contains("sha256:def"),
             "{err}"
         );
+    }
+
+    #[test]
+    fn eagle_heads_saved_before_the_layers_option_read_as_one_layer() {
+        let old: HeadKind = serde_json::from_str(r#"{"kind": "eagle"}"#).unwrap();
+        assert_eq!(old, HeadKind::Eagle { layers: 1 });
+        let text = serde_json::to_string(&HeadKind::Eagle { layers: 2 }).unwrap();
+        assert_eq!(text, r#"{"kind":"eagle","layers":2}"#);
     }
 
     #[test]

@@ -1,11 +1,12 @@
 //! The EAGLE head (EAGLE-1 architecture; drafted with EAGLE-2's dynamic trees at serve time).
 //!
 //! At position i the head reads the target's feature `f_i` (final post-norm hidden state) and the
-//! embedding of the token that follows, `t_{i+1}`: `x_i = fc(concat(embed(t_{i+1}), f_i))`, then one
-//! Llama decoder layer without the norm before attention, giving `f̂_{i+1}`, a prediction of the
-//! next feature, which the target's frozen LM head scores directly. The embedding and LM head are
-//! the target's, frozen. Parameter names are the EAGLE repository's (`fc.weight`, `fc.bias`,
-//! `layers.0.self_attn.q_proj.weight`, …, no `layers.0.input_layernorm`).
+//! embedding of the token that follows, `t_{i+1}`: `x_i = fc(concat(embed(t_{i+1}), f_i))`, then
+//! Llama decoder layers (one by default) of which the first has no norm before attention, giving
+//! `f̂_{i+1}`, a prediction of the next feature, which the target's frozen LM head scores directly.
+//! The embedding and LM head are the target's, frozen. Parameter names are the EAGLE repository's
+//! (`fc.weight`, `fc.bias`, `layers.0.self_attn.q_proj.weight`, …, no `layers.0.input_layernorm`;
+//! its `cnets.py` and vLLM's EAGLE model also give later layers their input norm).
 
 use headway_model::linear::Linear;
 use headway_model::{DecoderLayer, KvCache, ModelConfig, Rotary};
@@ -14,21 +15,29 @@ use tch::{Device, Kind, Tensor};
 use crate::error::{HeadError, Result};
 use crate::params::Params;
 
-/// Prefix of the decoder layer's parameters.
-pub const LAYER_PREFIX: &str = "layers.0";
+/// Prefix of decoder layer `index`'s parameters.
+pub fn layer_prefix(index: usize) -> String {
+    format!("layers.{index}")
+}
 
-/// The head's shape: the target's layer geometry with one layer.
+/// The head's shape: the target's layer geometry with the head's number of layers.
 #[derive(Debug, Clone)]
 pub struct EagleConfig {
-    /// The target's config with `num_hidden_layers = 1` (the draft layer's geometry).
+    /// The target's config with `num_hidden_layers` set to the head's (the draft layers' geometry).
     pub layer: ModelConfig,
 }
 
 impl EagleConfig {
-    pub fn for_target(target: &ModelConfig) -> Self {
+    /// A head of `layers` decoder layers (EAGLE-1: one) for `target`.
+    pub fn for_target(target: &ModelConfig, layers: usize) -> Self {
         let mut layer = target.clone();
-        layer.num_hidden_layers = 1;
+        layer.num_hidden_layers = layers;
         Self { layer }
+    }
+
+    /// Number of decoder layers.
+    pub fn layers(&self) -> usize {
+        self.layer.num_hidden_layers
     }
 }
 
@@ -48,6 +57,11 @@ impl EagleHead {
     pub fn new(config: EagleConfig, embed: &Tensor, lm_head: &Tensor) -> Result<Self> {
         let c = &config.layer;
         let h = c.hidden_size as i64;
+        if config.layers() == 0 {
+            return Err(HeadError::Invalid(
+                "an EAGLE head needs at least one decoder layer".into(),
+            ));
+        }
         if embed.size() != [c.vocab_size as i64, h] || lm_head.size().get(1) != Some(&h) {
             return Err(HeadError::Invalid(format!(
                 "the EAGLE head for hidden size {h} needs an embedding [{}, {h}] and an LM head [_, {h}], got {:?} and {:?}",
@@ -58,7 +72,7 @@ impl EagleHead {
         }
         let device = embed.device();
         let mut params = Params::new();
-        for (name, shape) in parameter_shapes(c) {
+        for (name, shape) in parameter_shapes(&config) {
             let value = if name.ends_with("norm.weight") {
                 Tensor::ones(shape.as_slice(), (Kind::Float, device))
             } else {
@@ -88,17 +102,22 @@ impl EagleHead {
             self.params.get("fc.weight")?.shallow_clone(),
             Some(self.params.get("fc.bias")?.shallow_clone()),
         );
-        let layer =
-            DecoderLayer::load_with(&mut &self.params, LAYER_PREFIX, &self.config.layer, false)?;
+        // Only the first layer reads its input un-normed: `fc`'s output, not a residual stream.
+        let layers = (0..self.config.layers())
+            .map(|index| {
+                let prefix = layer_prefix(index);
+                DecoderLayer::load_with(&mut &self.params, &prefix, &self.config.layer, index > 0)
+            })
+            .collect::<std::result::Result<Vec<_>, _>>()?;
         Ok(EagleModules {
             head: self,
             fc,
-            layer,
+            layers,
             lm_head: Linear::new(self.lm_head.shallow_clone(), None),
         })
     }
 
-    /// A KV cache for the head's layer.
+    /// A KV cache for the head's layers.
     pub fn new_cache(&self, batch: usize, capacity: usize) -> Result<KvCache> {
         Ok(KvCache::new(
             &self.config.layer,
@@ -114,7 +133,7 @@ impl EagleHead {
 pub struct EagleModules<'a> {
     head: &'a EagleHead,
     fc: Linear,
-    layer: DecoderLayer,
+    layers: Vec<DecoderLayer>,
     /// The frozen target LM head (draft-vocabulary rows): drafting runs it on headway's fast CPU
     /// path, training through libtorch.
     lm_head: Linear,
@@ -144,7 +163,13 @@ impl EagleModules<'_> {
             .fc
             .forward(&Tensor::cat(&[embedded, features.to_kind(Kind::Float)], -1));
         let rope = self.head.rotary.cos_sin(positions, Kind::Float);
-        Ok(self.layer.forward_standalone(&x, &rope, cache, mask)?)
+        Ok(DecoderLayer::forward_stack(
+            &self.layers,
+            &x,
+            &rope,
+            cache,
+            mask,
+        )?)
     }
 
     /// Logits over the draft vocabulary for features `[..., hidden]` (the frozen target LM head).
@@ -158,17 +183,28 @@ impl EagleModules<'_> {
     }
 }
 
-/// Names and shapes of the parameters of an EAGLE head for a target with config `c` (EAGLE
-/// repository layout).
-pub fn parameter_shapes(c: &ModelConfig) -> Vec<(String, Vec<i64>)> {
+/// Names and shapes of the parameters of an EAGLE head of shape `config` (EAGLE repository
+/// layout).
+pub fn parameter_shapes(config: &EagleConfig) -> Vec<(String, Vec<i64>)> {
+    let h = config.layer.hidden_size as i64;
+    let mut shapes = vec![
+        ("fc.weight".to_string(), vec![h, 2 * h]),
+        ("fc.bias".to_string(), vec![h]),
+    ];
+    for index in 0..config.layers() {
+        shapes.extend(layer_shapes(&config.layer, &layer_prefix(index), index > 0));
+    }
+    shapes
+}
+
+/// Names and shapes of one decoder layer's parameters under `prefix`.
+fn layer_shapes(c: &ModelConfig, prefix: &str, input_norm: bool) -> Vec<(String, Vec<i64>)> {
     let (h, i) = (c.hidden_size as i64, c.intermediate_size as i64);
     let q = (c.num_attention_heads * c.head_dim) as i64;
     let kv = (c.num_key_value_heads * c.head_dim) as i64;
     let d = c.head_dim as i64;
-    let p = |name: &str| format!("{LAYER_PREFIX}.{name}");
+    let p = |name: &str| format!("{prefix}.{name}");
     let mut shapes = vec![
-        ("fc.weight".to_string(), vec![h, 2 * h]),
-        ("fc.bias".to_string(), vec![h]),
         (p("self_attn.q_proj.weight"), vec![q, h]),
         (p("self_attn.k_proj.weight"), vec![kv, h]),
         (p("self_attn.v_proj.weight"), vec![kv, h]),
@@ -178,6 +214,9 @@ pub fn parameter_shapes(c: &ModelConfig) -> Vec<(String, Vec<i64>)> {
         (p("mlp.up_proj.weight"), vec![i, h]),
         (p("mlp.down_proj.weight"), vec![h, i]),
     ];
+    if input_norm {
+        shapes.push((p("input_layernorm.weight"), vec![h]));
+    }
     if c.qkv_bias {
         for part in ["q", "k", "v"] {
             let rows = if part == "q" { q } else { kv };
@@ -197,7 +236,7 @@ mod tests {
     use headway_model::mask::positions;
     use headway_model::testing::tiny_config;
 
-    fn head() -> EagleHead {
+    fn head(layers: usize) -> EagleHead {
         tch::manual_seed(1);
         let config = tiny_config();
         let options = (Kind::Float, Device::Cpu);
@@ -206,13 +245,39 @@ mod tests {
             options,
         );
         let lm_head = embed.narrow(0, 0, 50);
-        EagleHead::new(EagleConfig::for_target(&config), &embed, &lm_head).unwrap()
+        EagleHead::new(EagleConfig::for_target(&config, layers), &embed, &lm_head).unwrap()
     }
 
     #[test]
-    fn every_parameter_learns_and_the_layer_has_no_input_norm() {
-        let head = head();
-        assert!(head.params.get("layers.0.input_layernorm.weight").is_err());
+    fn every_parameter_learns_and_only_the_first_layer_has_no_input_norm() {
+        for layers in [1, 2] {
+            every_parameter_learns(&head(layers));
+        }
+        assert!(head(1)
+            .params
+            .get("layers.0.input_layernorm.weight")
+            .is_err());
+        let two = head(2);
+        assert!(two.params.get("layers.0.input_layernorm.weight").is_err());
+        assert!(two.params.get("layers.1.input_layernorm.weight").is_ok());
+        assert!(two.params.get("layers.1.mlp.down_proj.weight").is_ok());
+        assert!(two.params.get("layers.2.mlp.down_proj.weight").is_err());
+    }
+
+    #[test]
+    fn a_head_without_layers_is_refused() {
+        let config = tiny_config();
+        let embed = Tensor::zeros(
+            [config.vocab_size as i64, config.hidden_size as i64],
+            (Kind::Float, Device::Cpu),
+        );
+        let error = EagleHead::new(EagleConfig::for_target(&config, 0), &embed, &embed)
+            .err()
+            .unwrap();
+        assert!(error.to_string().contains("at least one decoder layer"));
+    }
+
+    fn every_parameter_learns(head: &EagleHead) {
         let h = head.config.layer.hidden_size as i64;
         let features = Tensor::randn([2, 6, h], (Kind::Float, Device::Cpu));
         let ids = Tensor::randint(50, [2, 6], (Kind::Int64, Device::Cpu));
@@ -244,8 +309,13 @@ mod tests {
 
     #[test]
     fn cached_step_by_step_drafting_equals_one_causal_forward() {
+        for layers in [1, 2] {
+            cached_steps_equal_one_forward(&head(layers));
+        }
+    }
+
+    fn cached_steps_equal_one_forward(head: &EagleHead) {
         let _guard = tch::no_grad_guard();
-        let head = head();
         let h = head.config.layer.hidden_size as i64;
         let features = Tensor::randn([1, 5, h], (Kind::Float, Device::Cpu));
         let ids = Tensor::randint(50, [1, 5], (Kind::Int64, Device::Cpu));

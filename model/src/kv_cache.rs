@@ -188,8 +188,14 @@ impl KvCache {
         )
     }
 
-    /// Fails unless `new_tokens` more positions fit.
-    pub(crate) fn check_room(&self, new_tokens: usize) -> Result<()> {
+    /// Errors unless `new_tokens` more positions of `layers` layers fit.
+    pub(crate) fn check_room(&self, new_tokens: usize, layers: usize) -> Result<()> {
+        if layers > self.keys.len() {
+            return Err(ModelError::Input(format!(
+                "KV cache holds {} layers, but {layers} layers run on it",
+                self.keys.len()
+            )));
+        }
         if self.len + new_tokens > self.capacity {
             return Err(ModelError::Input(format!(
                 "KV cache full: {} cached + {new_tokens} new positions exceed its capacity of {}",

@@ -295,33 +295,36 @@ impl DecoderLayer {
         })
     }
 
-    /// Runs the layer on its own (a draft head's single layer): `x` is `[batch, new, hidden]`,
-    /// `rope` comes from [`Rotary::cos_sin`], the cache (if any) holds this layer as its layer 0,
-    /// and `mask` works as in [`ForwardInput::mask`].
-    pub fn forward_standalone(
-        &self,
+    /// Runs `layers` in order outside a model (a draft head's layers): `x` is
+    /// `[batch, new, hidden]`, `rope` comes from [`Rotary::cos_sin`], the cache (if any) holds
+    /// layer k of the stack as its layer k, and `mask` works as in [`ForwardInput::mask`].
+    pub fn forward_stack(
+        layers: &[DecoderLayer],
         x: &Tensor,
         rope: &(Tensor, Tensor),
-        cache: Option<&mut KvCache>,
+        mut cache: Option<&mut KvCache>,
         mask: Option<&Tensor>,
     ) -> Result<Tensor> {
         let past = cache.as_ref().map_or(0, |c| c.len());
         let new = x.size()[1] as usize;
         if let Some(c) = cache.as_deref() {
-            c.check_room(new)?;
+            c.check_room(new, layers.len())?;
         }
         let implicit = attention_mask(past, new, mask, x.device());
-        let mut ctx = LayerContext {
-            layer: 0,
-            cache,
-            mask: mask.or(implicit.mask.as_ref()),
-            is_causal: implicit.is_causal,
-        };
-        let y = self.forward(x, rope, &mut ctx);
-        if let Some(c) = ctx.cache {
+        let mut x = x.shallow_clone();
+        for (index, layer) in layers.iter().enumerate() {
+            let mut ctx = LayerContext {
+                layer: index,
+                cache: cache.as_deref_mut(),
+                mask: mask.or(implicit.mask.as_ref()),
+                is_causal: implicit.is_causal,
+            };
+            x = layer.forward(&x, rope, &mut ctx);
+        }
+        if let Some(c) = cache {
             c.advance(new);
         }
-        Ok(y)
+        Ok(x)
     }
 
     fn forward(&self, x: &Tensor, rope: &(Tensor, Tensor), ctx: &mut LayerContext) -> Tensor {
@@ -407,7 +410,7 @@ impl Llama {
         let past = cache.as_ref().map_or(0, |c| c.len());
         let new = self.check_input(input, past)?;
         if let Some(c) = cache.as_deref() {
-            c.check_room(new)?;
+            c.check_room(new, self.layers.len())?;
         }
         let implicit = attention_mask(past, new, input.mask, self.embed_tokens.device());
         let mask = input.mask.or(implicit.mask.as_ref());

@@ -443,7 +443,7 @@ mod tests {
     #[test]
     fn replayed_candidates_equal_drafting_with_the_smaller_shape() {
         let _no_grad = tch::no_grad_guard();
-        let head = tiny_frozen_head(9);
+        let head = tiny_frozen_head(9, 1);
         let config = &head.config.layer;
         let context: Vec<u32> = vec![3, 17, 40, 2, 99, 5, 6];
         let hidden = Tensor::randn([6, config.hidden_size as i64], (Kind::Float, Device::Cpu));

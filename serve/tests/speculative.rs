@@ -91,14 +91,15 @@ fn oracle(target: &Target, prompt: &[u32], new_tokens: usize, seed: u64) -> Orac
     }
 }
 
-/// Fresh EAGLE head with random weights over a reversed 200-token draft vocabulary.
+/// Fresh two-layer EAGLE head with random weights over a reversed 200-token draft vocabulary (the
+/// SmolLM2 test below runs a one-layer head).
 fn random_eagle(target: &Target) -> (EagleHead, Vec<u32>) {
     tch::manual_seed(7);
     let d2t: Vec<u32> = (0..200).rev().collect();
     let vocab = DraftVocab { d2t: d2t.clone() };
     let lm_head = DraftVocab::lm_head_rows(Some(&vocab), target.model.lm_head.weight());
     let mut head = EagleHead::new(
-        EagleConfig::for_target(target.model.config()),
+        EagleConfig::for_target(target.model.config(), 2),
         target.model.model.embed_tokens(),
         &lm_head,
     )
@@ -420,7 +421,7 @@ fn greedy_speculative_output_equals_plain_greedy_on_smollm2() {
     let fixture: GreedyFixture = serde_json::from_str(&text).unwrap();
     tch::manual_seed(3);
     let mut eagle = EagleHead::new(
-        EagleConfig::for_target(target.model.config()),
+        EagleConfig::for_target(target.model.config(), 1),
         target.model.model.embed_tokens(),
         target.model.lm_head.weight(),
     )

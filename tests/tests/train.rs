@@ -188,7 +188,7 @@ fn export_then_import_gives_back_the_same_weights() {
     features(root);
     let target = root.join("target");
     for (head, extra) in [
-        ("eagle", &["--draft-vocab", "100"][..]),
+        ("eagle", &["--draft-vocab", "100", "--layers", "2"][..]),
         ("medusa", &["--heads", "2"][..]),
     ] {
         let trained = root.join(format!("{head}-run"));
@@ -241,14 +241,16 @@ fn export_then_import_gives_back_the_same_weights() {
         let config = std::fs::read_to_string(imported.join("step-00000000/config.json")).unwrap();
         let original_config =
             std::fs::read_to_string(trained.join("step-00000006/config.json")).unwrap();
-        let draft = |text: &str| {
-            serde_json::from_str::<serde_json::Value>(text).unwrap()["draft_vocab"].clone()
+        let field = |text: &str, name: &str| {
+            serde_json::from_str::<serde_json::Value>(text).unwrap()[name].clone()
         };
-        assert_eq!(
-            draft(&config),
-            draft(&original_config),
-            "{head}: draft vocabulary changed"
-        );
+        for name in ["draft_vocab", "head"] {
+            assert_eq!(
+                field(&config, name),
+                field(&original_config, name),
+                "{head}: {name} changed"
+            );
+        }
     }
     let wrong = run(
         "headway-train",

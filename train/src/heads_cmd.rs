@@ -108,6 +108,9 @@ pub struct EagleArgs {
     /// Weight of the soft cross-entropy term next to the feature regression.
     #[arg(long, default_value_t = 0.1)]
     classification_weight: f64,
+    /// Decoder layers in the head (EAGLE-1: one; more cost drafting time for accuracy).
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u16).range(1..=32))]
+    layers: u16,
 }
 
 #[derive(clap::Args)]
@@ -338,8 +341,9 @@ pub fn run_eagle(args: EagleArgs) -> anyhow::Result<()> {
     let setup = setup(&args.common.target, &args.common.features)?;
     let draft = draft_vocab(&setup, args.common.draft_vocab)?;
     tch::manual_seed(args.common.seed as i64);
+    let layers = usize::from(args.layers);
     let head = EagleHead::new(
-        EagleConfig::for_target(setup.target.model.config()),
+        EagleConfig::for_target(setup.target.model.config(), layers),
         setup.target.model.model.embed_tokens(),
         &lm_head_rows(&setup.target, draft.as_ref()),
     )?;
@@ -348,7 +352,7 @@ pub fn run_eagle(args: EagleArgs) -> anyhow::Result<()> {
         &setup,
         &args.common,
         &mut objective,
-        HeadKind::Eagle,
+        HeadKind::Eagle { layers },
         draft.as_ref(),
     )
 }

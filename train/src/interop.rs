@@ -14,7 +14,7 @@ use std::path::{Path, PathBuf};
 
 use anyhow::Context;
 use headway_checkpoints::{CheckpointConfig, HeadKind, TargetRef, CHECKPOINT_FORMAT};
-use headway_heads::MedusaConfig;
+use headway_heads::{EagleConfig, MedusaConfig};
 use headway_model::fingerprint::target_fingerprint;
 use headway_model::safetensors_io::{from_safetensors_bytes, to_safetensors_bytes};
 use headway_model::{ModelConfig, SafetensorsWeights};
@@ -123,10 +123,10 @@ pub fn run_export(args: ExportArgs) -> anyhow::Result<()> {
                 "headway_target_fingerprint": checkpoint.config.target.fingerprint,
             })
         }
-        (HeadKind::Eagle, Format::Eagle) => {
+        (HeadKind::Eagle { layers }, Format::Eagle) => {
             let text = std::fs::read_to_string(target.join("config.json"))?;
             let mut config: serde_json::Value = serde_json::from_str(&text)?;
-            config["num_hidden_layers"] = 1.into();
+            config["num_hidden_layers"] = (*layers).into();
             config["headway_target_fingerprint"] =
                 checkpoint.config.target.fingerprint.clone().into();
             if let Some(d2t) = &checkpoint.config.draft_vocab {
@@ -256,12 +256,21 @@ pub fn run_import(args: ImportArgs) -> anyhow::Result<()> {
                 }
                 None => None,
             };
-            (HeadKind::Eagle, weights, draft_vocab)
+            // The EAGLE repository's and vLLM's draft configs give the layer count here.
+            let layers = field("num_hidden_layers")?;
+            anyhow::ensure!(
+                layers > 0,
+                "{}: num_hidden_layers is 0; an EAGLE head has at least one layer",
+                config_path.display()
+            );
+            (HeadKind::Eagle { layers }, weights, draft_vocab)
         }
     };
     let expected = match &head {
         HeadKind::Medusa(medusa) => medusa.parameter_shapes(),
-        HeadKind::Eagle => headway_heads::eagle::parameter_shapes(&target_config),
+        HeadKind::Eagle { layers } => headway_heads::eagle::parameter_shapes(
+            &EagleConfig::for_target(&target_config, *layers),
+        ),
     };
     check_tensors(&args.from, &weights, &expected)?;
     for tensor in weights.values_mut() {

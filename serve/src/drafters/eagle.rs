@@ -320,15 +320,16 @@ pub(crate) mod tests {
     use headway_model::testing::tiny_config;
     use tch::Device;
 
-    /// A frozen EAGLE head with random weights for the tiny test target.
-    pub(crate) fn tiny_frozen_head(seed: i64) -> EagleHead {
+    /// A frozen EAGLE head of `layers` layers with random weights for the tiny test target.
+    pub(crate) fn tiny_frozen_head(seed: i64, layers: usize) -> EagleHead {
         tch::manual_seed(seed);
         let config = tiny_config();
         let embed = Tensor::randn(
             [config.vocab_size as i64, config.hidden_size as i64],
             (Kind::Float, Device::Cpu),
         );
-        let mut head = EagleHead::new(EagleConfig::for_target(&config), &embed, &embed).unwrap();
+        let mut head =
+            EagleHead::new(EagleConfig::for_target(&config, layers), &embed, &embed).unwrap();
         head.params.freeze();
         head
     }
@@ -338,15 +339,20 @@ pub(crate) mod tests {
     /// accepted tokens must agree too (catch-up after truncating the drafted nodes).
     #[test]
     fn tree_drafting_equals_running_the_head_step_by_step() {
+        for layers in [1, 2] {
+            tree_drafting_follows_the_heads_chain(&tiny_frozen_head(5, layers));
+        }
+    }
+
+    fn tree_drafting_follows_the_heads_chain(head: &EagleHead) {
         let _no_grad = tch::no_grad_guard();
-        let head = tiny_frozen_head(5);
         let h = head.config.layer.hidden_size as i64;
         let shape = EagleTreeShape {
             depth: 4,
             top_k: 1,
             tree_tokens: 4,
         };
-        let mut drafter = EagleDrafter::new(&head, None, shape, 64).unwrap();
+        let mut drafter = EagleDrafter::new(head, None, shape, 64).unwrap();
         let mut sampler = Sampler::new(Default::default());
         let context: Vec<u32> = vec![3, 17, 40, 2, 99, 5];
         let hidden = Tensor::randn([10, h], (Kind::Float, Device::Cpu));
