@@ -111,6 +111,11 @@ pub struct EagleArgs {
     /// Decoder layers in the head (EAGLE-1: one; more cost drafting time for accuracy).
     #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u16).range(1..=32))]
     layers: u16,
+    /// Rounds per training step: rounds after the first feed the head its own predicted features,
+    /// as drafting past depth 1 does (training-time test; 1 = EAGLE-1's teacher forcing). Each
+    /// round costs about one more forward and backward.
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u16).range(1..=8))]
+    unroll: u16,
 }
 
 #[derive(clap::Args)]
@@ -347,7 +352,12 @@ pub fn run_eagle(args: EagleArgs) -> anyhow::Result<()> {
         setup.target.model.model.embed_tokens(),
         &lm_head_rows(&setup.target, draft.as_ref()),
     )?;
-    let mut objective = EagleObjective::new(head, args.noise, args.classification_weight);
+    let mut objective = EagleObjective::new(
+        head,
+        args.noise,
+        args.classification_weight,
+        usize::from(args.unroll),
+    );
     train(
         &setup,
         &args.common,
@@ -371,7 +381,7 @@ pub fn run_eval(args: EvalArgs) -> anyhow::Result<()> {
             draft,
             setup.target.model.config().vocab_size,
         )),
-        DraftHead::Eagle(head) => Box::new(EagleObjective::new(head, 0.0, 0.1)),
+        DraftHead::Eagle(head) => Box::new(EagleObjective::new(head, 0.0, 0.1, 1)),
     };
     let metrics = evaluate(
         &setup.features,

@@ -169,6 +169,11 @@ pub struct EagleObjective {
     pub classification_weight: f64,
     /// Rounds of the chain-acceptance estimate in evaluation.
     pub chain_steps: usize,
+    /// Rounds of each training step: round r > 1 feeds the head its own round r − 1 predictions
+    /// as input features (gradients flowing through them), as drafting does from depth 2 on, and
+    /// the loss is the mean over rounds ("training-time test", EAGLE-3 / HASS). 1: EAGLE-1's
+    /// teacher forcing. Evaluation scores round 1 and estimates later rounds as `alpha_n`.
+    pub unroll: usize,
     /// Where the target's next-token distributions and the head's logits are computed.
     target_scratch: Scratch,
     logits_scratch: Scratch,
@@ -178,16 +183,30 @@ pub struct EagleObjective {
 const EAGLE_CHAIN_STEPS: usize = 5;
 
 impl EagleObjective {
-    pub fn new(head: EagleHead, noise: f64, classification_weight: f64) -> Self {
+    pub fn new(head: EagleHead, noise: f64, classification_weight: f64, unroll: usize) -> Self {
         Self {
             head,
             noise,
             classification_weight,
             chain_steps: EAGLE_CHAIN_STEPS,
+            unroll: unroll.max(1),
             target_scratch: Scratch::default(),
             logits_scratch: Scratch::default(),
         }
     }
+}
+
+/// The next round's input features: position i gets the head's prediction of f_i (its output
+/// at i − 1); position 0 keeps the target's feature.
+fn own_predictions_as_inputs(batch: &Batch, predicted: &Tensor) -> Tensor {
+    let len = batch.ids.size()[1];
+    Tensor::cat(
+        &[
+            batch.hidden.narrow(1, 0, 1),
+            predicted.narrow(1, 0, len - 2),
+        ],
+        1,
+    )
 }
 
 /// Predicted features for positions 1.. from input features for positions ..T-1.
@@ -219,7 +238,6 @@ impl Objective for EagleObjective {
             inputs = &inputs + inputs.rand_like() * (2.0 * self.noise) - self.noise;
         }
         let modules = self.head.modules()?;
-        let predicted = predict(&modules, &inputs, batch)?;
         let target = batch.hidden.narrow(1, 1, len - 1);
         let valid = batch.loss_mask.narrow(1, 1, len - 1);
         let count = valid.sum(Kind::Int64).int64_value(&[]);
@@ -227,30 +245,50 @@ impl Objective for EagleObjective {
             return Ok(metrics);
         }
         let pick = |t: &Tensor| t.masked_select(&valid.unsqueeze(-1)).view([count, -1]);
-        let (predicted, target) = (pick(&predicted), pick(&target));
-        let regression = predicted.smooth_l1_loss(&target, Reduction::Mean, 1.0);
-        let target_probs =
-            projected_softmax(&target, modules.lm_head_weight(), &mut self.target_scratch);
-        let greedy = target_probs.argmax(-1, false);
-        let scored = projected_cross_entropy(
-            &predicted,
+        let picked_target = pick(&target);
+        let target_probs = projected_softmax(
+            &picked_target,
             modules.lm_head_weight(),
-            VocabTarget::Distribution(&target_probs),
-            &greedy,
-            backward_scale.is_some(),
-            &mut self.logits_scratch,
+            &mut self.target_scratch,
         );
-        let (classification, top1, top5) = (scored.loss, scored.top1, scored.top5);
-        let loss = &regression + &classification * self.classification_weight;
+        let greedy = target_probs.argmax(-1, false);
+        let rounds = if backward_scale.is_some() {
+            self.unroll
+        } else {
+            1
+        };
+        let n = count as f64;
+        let mut loss = Tensor::zeros([], (Kind::Float, batch.ids.device()));
+        for round in 1..=rounds {
+            let predicted = predict(&modules, &inputs, batch)?;
+            let picked = pick(&predicted);
+            let regression = picked.smooth_l1_loss(&picked_target, Reduction::Mean, 1.0);
+            let scored = projected_cross_entropy(
+                &picked,
+                modules.lm_head_weight(),
+                VocabTarget::Distribution(&target_probs),
+                &greedy,
+                backward_scale.is_some(),
+                &mut self.logits_scratch,
+            );
+            let round_loss = &regression + &scored.loss * self.classification_weight;
+            loss = loss + round_loss / rounds as f64;
+            if round == 1 {
+                metrics.add("regression", regression.double_value(&[]) * n, n);
+                metrics.add("classification", scored.loss.double_value(&[]) * n, n);
+                metrics.add("top1", scored.top1, n);
+                metrics.add("top5", scored.top5, n);
+            } else {
+                metrics.add(&format!("round{round}/top1"), scored.top1, n);
+            }
+            if round < rounds {
+                inputs = own_predictions_as_inputs(batch, &predicted);
+            }
+        }
         if let Some(scale) = backward_scale {
             (&loss * scale).backward();
         }
-        let n = count as f64;
         metrics.add("loss", loss.double_value(&[]) * n, n);
-        metrics.add("regression", regression.double_value(&[]) * n, n);
-        metrics.add("classification", classification.double_value(&[]) * n, n);
-        metrics.add("top1", top1, n);
-        metrics.add("top5", top5, n);
         Ok(metrics)
     }
 
@@ -287,15 +325,81 @@ impl Objective for EagleObjective {
                 .double_value(&[]);
             let n = count as f64;
             metrics.add(&format!("alpha{step}"), hits, n);
-            // Position i's next input is the head's prediction of f_i (its output at i − 1).
-            inputs = Tensor::cat(
-                &[
-                    batch.hidden.narrow(1, 0, 1),
-                    predicted.narrow(1, 0, len - 2),
-                ],
-                1,
-            );
+            inputs = own_predictions_as_inputs(batch, &predicted);
         }
         Ok(metrics)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use headway_heads::EagleConfig;
+    use headway_model::testing::tiny_config;
+    use tch::Device;
+
+    fn objective(unroll: usize) -> EagleObjective {
+        tch::manual_seed(11);
+        let config = tiny_config();
+        let options = (Kind::Float, Device::Cpu);
+        let embed = Tensor::randn(
+            [config.vocab_size as i64, config.hidden_size as i64],
+            options,
+        );
+        let head = EagleHead::new(
+            EagleConfig::for_target(&config, 1),
+            &embed,
+            &embed.narrow(0, 0, 64),
+        )
+        .unwrap();
+        EagleObjective::new(head, 0.0, 0.1, unroll)
+    }
+
+    fn batch() -> Batch {
+        tch::manual_seed(12);
+        let hidden_size = tiny_config().hidden_size as i64;
+        let ids = Tensor::randint(64, [2, 9], (Kind::Int64, Device::Cpu));
+        let loss_mask = Tensor::ones([2, 9], (Kind::Bool, Device::Cpu));
+        let hidden = Tensor::randn([2, 9, hidden_size], (Kind::Float, Device::Cpu));
+        Batch {
+            ids,
+            loss_mask,
+            hidden,
+            tokens: 18,
+        }
+    }
+
+    fn gradients(objective: &EagleObjective) -> Vec<Tensor> {
+        objective
+            .head
+            .params
+            .iter()
+            .map(|(_, p)| p.grad().copy())
+            .collect()
+    }
+
+    /// Round 2 is the computation behind `alpha2` (round 1 and `alpha1` agree too), and its loss
+    /// joins the gradients: an unrolled step's differ from teacher forcing's in every weight.
+    #[test]
+    fn the_second_round_is_alpha2s_computation_and_changes_the_gradients() {
+        let batch = batch();
+        let mut unrolled = objective(2);
+        let trained = unrolled.run(&batch, Some(1.0)).unwrap();
+        let evaluated = unrolled.evaluate(&batch).unwrap();
+        let (round2, alpha2) = (trained.mean("round2/top1"), evaluated.mean("alpha2"));
+        assert_eq!(round2, alpha2);
+        assert_eq!(trained.mean("top1"), evaluated.mean("alpha1"));
+        assert!(
+            evaluated.mean("round2/top1").is_none(),
+            "evaluation scores round 1 only"
+        );
+        let mut forced = objective(1);
+        let taught = forced.run(&batch, Some(1.0)).unwrap();
+        assert_eq!(taught.mean("top1"), trained.mean("top1"));
+        assert!(taught.mean("round2/top1").is_none());
+        for (a, b) in gradients(&unrolled).iter().zip(gradients(&forced)) {
+            assert!(a.defined() && b.defined());
+            assert!((a - b).abs().max().double_value(&[]) > 0.0);
+        }
     }
 }
