@@ -258,7 +258,7 @@ impl Objective for EagleObjective {
             1
         };
         let n = count as f64;
-        let mut loss = Tensor::zeros([], (Kind::Float, batch.ids.device()));
+        let mut round_losses = Vec::with_capacity(rounds);
         for round in 1..=rounds {
             let predicted = predict(&modules, &inputs, batch)?;
             let picked = pick(&predicted);
@@ -271,8 +271,7 @@ impl Objective for EagleObjective {
                 backward_scale.is_some(),
                 &mut self.logits_scratch,
             );
-            let round_loss = &regression + &scored.loss * self.classification_weight;
-            loss = loss + round_loss / rounds as f64;
+            round_losses.push(&regression + &scored.loss * self.classification_weight);
             if round == 1 {
                 metrics.add("regression", regression.double_value(&[]) * n, n);
                 metrics.add("classification", scored.loss.double_value(&[]) * n, n);
@@ -285,6 +284,7 @@ impl Objective for EagleObjective {
                 inputs = own_predictions_as_inputs(batch, &predicted);
             }
         }
+        let loss = Tensor::stack(&round_losses, 0).mean(Kind::Float);
         if let Some(scale) = backward_scale {
             (&loss * scale).backward();
         }
