@@ -301,7 +301,12 @@ pub fn tune_eagle(
                 .iter()
                 .map(|(r, truth)| (replay_candidates(r, depth, top_k), truth.as_slice()))
                 .collect();
-            for tree_tokens in TREE_SIZES.into_iter().filter(|&n| n <= max.tree_tokens) {
+            // A tree of n tokens is at most n deep and keeps at most n children of a node: a
+            // deeper or wider draft selects the same tree for more drafting time.
+            let sizes = TREE_SIZES
+                .into_iter()
+                .filter(|&n| n <= max.tree_tokens && n >= depth && n >= top_k);
+            for tree_tokens in sizes {
                 let accepted: usize = replays
                     .iter()
                     .map(|(c, truth)| accepted_length(&best_subtree(c, tree_tokens), truth))
