@@ -302,8 +302,20 @@ impl DecoderLayer {
         layers: &[DecoderLayer],
         x: &Tensor,
         rope: &(Tensor, Tensor),
+        cache: Option<&mut KvCache>,
+        mask: Option<&Tensor>,
+    ) -> Result<Tensor> {
+        Self::run_stack(layers, x, rope, cache, mask, |_, _| {})
+    }
+
+    /// [`Self::forward_stack`], showing `before_layer` each layer's index and input.
+    fn run_stack(
+        layers: &[DecoderLayer],
+        x: &Tensor,
+        rope: &(Tensor, Tensor),
         mut cache: Option<&mut KvCache>,
         mask: Option<&Tensor>,
+        mut before_layer: impl FnMut(usize, &Tensor),
     ) -> Result<Tensor> {
         let past = cache.as_ref().map_or(0, |c| c.len());
         let new = x.size()[1] as usize;
@@ -313,6 +325,7 @@ impl DecoderLayer {
         let implicit = attention_mask(past, new, mask, x.device());
         let mut x = x.shallow_clone();
         for (index, layer) in layers.iter().enumerate() {
+            before_layer(index, &x);
             let mut ctx = LayerContext {
                 layer: index,
                 cache: cache.as_deref_mut(),
@@ -405,40 +418,24 @@ impl Llama {
     pub fn forward(
         &self,
         input: &ForwardInput,
-        mut cache: Option<&mut KvCache>,
+        cache: Option<&mut KvCache>,
     ) -> Result<ForwardOutput> {
         let past = cache.as_ref().map_or(0, |c| c.len());
-        let new = self.check_input(input, past)?;
-        if let Some(c) = cache.as_deref() {
-            c.check_room(new, self.layers.len())?;
-        }
-        let implicit = attention_mask(past, new, input.mask, self.embed_tokens.device());
-        let mask = input.mask.or(implicit.mask.as_ref());
-        let is_causal = implicit.is_causal;
-        let mut x = self.embed_tokens.embedding_from(input.input_ids);
+        self.check_input(input, past)?;
+        let x = self.embed_tokens.embedding_from(input.input_ids);
         let rope = self.rotary.cos_sin(input.positions, x.kind());
         let mut taps: Vec<Option<Tensor>> = input.taps.iter().map(|_| None).collect();
-        for (index, layer) in self.layers.iter().enumerate() {
-            record_tap(&mut taps, input.taps, index, &x);
-            let mut ctx = LayerContext {
-                layer: index,
-                cache: cache.as_deref_mut(),
-                mask,
-                is_causal,
-            };
-            x = layer.forward(&x, &rope, &mut ctx);
-        }
-        if let Some(c) = cache {
-            c.advance(new);
-        }
+        let x = DecoderLayer::run_stack(&self.layers, &x, &rope, cache, input.mask, |index, x| {
+            record_tap(&mut taps, input.taps, index, x)
+        })?;
         Ok(ForwardOutput {
             hidden: self.norm.forward(&x),
             taps: taps.into_iter().flatten().collect(),
         })
     }
 
-    /// Validates shapes and taps; returns the number of new tokens.
-    fn check_input(&self, input: &ForwardInput, past: usize) -> Result<usize> {
+    /// Validates shapes, taps and token ids.
+    fn check_input(&self, input: &ForwardInput, past: usize) -> Result<()> {
         let ids = input.input_ids.size();
         let [batch, new] = ids[..] else {
             return Err(ModelError::Input(format!(
@@ -483,7 +480,7 @@ impl Llama {
                 self.config.vocab_size
             )));
         }
-        Ok(new as usize)
+        Ok(())
     }
 }
 
