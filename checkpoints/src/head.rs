@@ -38,9 +38,9 @@ pub fn load_head(path: &Path, target: &Target) -> Result<LoadedHead> {
         HeadKind::Medusa(config) => {
             DraftHead::Medusa(MedusaHeads::new(config.clone(), &lm_head).map_err(build)?)
         }
-        HeadKind::Eagle { layers } => DraftHead::Eagle(
+        HeadKind::Eagle { layers, taps } => DraftHead::Eagle(
             EagleHead::new(
-                EagleConfig::for_target(target.model.config(), *layers),
+                EagleConfig::for_target(target.model.config(), *layers).with_taps(taps.clone()),
                 target.model.model.embed_tokens(),
                 &lm_head,
             )

@@ -71,6 +71,9 @@ pub enum HeadKind {
         /// Decoder layers of the head (checkpoints from before the option hold one).
         #[serde(default = "one_layer")]
         layers: usize,
+        /// Target layers whose residual stream the head fuses into its input (none: EAGLE-1).
+        #[serde(default, skip_serializing_if = "Vec::is_empty")]
+        taps: Vec<usize>,
     },
 }
 
@@ -277,7 +280,10 @@ mod tests {
     fn config(step: u64) -> CheckpointConfig {
         CheckpointConfig {
             format: CHECKPOINT_FORMAT.into(),
-            head: HeadKind::Eagle { layers: 2 },
+            head: HeadKind::Eagle {
+                layers: 2,
+                taps: vec![2, 15],
+            },
             target: TargetRef {
                 fingerprint: "sha256:abc".into(),
                 dir: "/t".into(),
@@ -323,11 +329,26 @@ mod tests {
     }
 
     #[test]
-    fn eagle_heads_saved_before_the_layers_option_read_as_one_layer() {
+    fn eagle_heads_saved_before_the_layers_and_taps_options_read_as_one_untapped_layer() {
         let old: HeadKind = serde_json::from_str(r#"{"kind": "eagle"}"#).unwrap();
-        assert_eq!(old, HeadKind::Eagle { layers: 1 });
-        let text = serde_json::to_string(&HeadKind::Eagle { layers: 2 }).unwrap();
+        let one = HeadKind::Eagle {
+            layers: 1,
+            taps: vec![],
+        };
+        assert_eq!(old, one);
+        let two = HeadKind::Eagle {
+            layers: 2,
+            taps: vec![],
+        };
+        let text = serde_json::to_string(&two).unwrap();
         assert_eq!(text, r#"{"kind":"eagle","layers":2}"#);
+        let tapped = HeadKind::Eagle {
+            layers: 1,
+            taps: vec![2, 15],
+        };
+        let text = serde_json::to_string(&tapped).unwrap();
+        assert_eq!(text, r#"{"kind":"eagle","layers":1,"taps":[2,15]}"#);
+        assert_eq!(serde_json::from_str::<HeadKind>(&text).unwrap(), tapped);
     }
 
     #[test]

@@ -7,6 +7,12 @@
 //! The embedding and LM head are the target's, frozen. Parameter names are the EAGLE repository's
 //! (`fc.weight`, `fc.bias`, `layers.0.self_attn.q_proj.weight`, …, no `layers.0.input_layernorm`;
 //! its `cnets.py` and vLLM's EAGLE model also give later layers their input norm).
+//!
+//! Optional tap fusion (after EAGLE-3, which reads low, middle and high target layers): where the
+//! target's features are known, the head's input feature is `f_i + tap_proj(taps_i)`, the
+//! RMS-normalised residual streams of chosen target layers projected by a zero-initialised
+//! matrix. A fresh tapped head is thus exactly EAGLE-1, and the positions where drafting feeds the
+//! head its own predictions `f̂` (no taps exist there) get the same kind of input as before.
 
 use headway_model::linear::Linear;
 use headway_model::{DecoderLayer, KvCache, ModelConfig, Rotary};
@@ -14,6 +20,9 @@ use tch::{Device, Kind, Tensor};
 
 use crate::error::{HeadError, Result};
 use crate::params::Params;
+
+/// The tap fusion's projection `[hidden, taps × hidden]`.
+const TAP_PROJ: &str = "tap_proj.weight";
 
 /// Prefix of decoder layer `index`'s parameters.
 pub fn layer_prefix(index: usize) -> String {
@@ -25,6 +34,9 @@ pub fn layer_prefix(index: usize) -> String {
 pub struct EagleConfig {
     /// The target's config with `num_hidden_layers` set to the head's (the draft layers' geometry).
     pub layer: ModelConfig,
+    /// Target layers `k` whose residual stream (hidden state after `k` decoder layers) the head
+    /// fuses into its input; empty for EAGLE-1.
+    pub taps: Vec<usize>,
 }
 
 impl EagleConfig {
@@ -32,7 +44,15 @@ impl EagleConfig {
     pub fn for_target(target: &ModelConfig, layers: usize) -> Self {
         let mut layer = target.clone();
         layer.num_hidden_layers = layers;
-        Self { layer }
+        Self {
+            layer,
+            taps: Vec::new(),
+        }
+    }
+
+    /// The same head reading the target's residual stream after each of `taps` layers.
+    pub fn with_taps(self, taps: Vec<usize>) -> Self {
+        Self { taps, ..self }
     }
 
     /// Number of decoder layers.
@@ -75,6 +95,8 @@ impl EagleHead {
         for (name, shape) in parameter_shapes(&config) {
             let value = if name.ends_with("norm.weight") {
                 Tensor::ones(shape.as_slice(), (Kind::Float, device))
+            } else if name == TAP_PROJ {
+                Tensor::zeros(shape.as_slice(), (Kind::Float, device))
             } else {
                 let fan_in = if shape.len() == 2 { shape[1] } else { h * 2 };
                 let bound = 1.0 / (fan_in as f64).sqrt();
@@ -109,9 +131,17 @@ impl EagleHead {
                 DecoderLayer::load_with(&mut &self.params, &prefix, &self.config.layer, index > 0)
             })
             .collect::<std::result::Result<Vec<_>, _>>()?;
+        let tap_proj = match self.config.taps.is_empty() {
+            true => None,
+            false => Some(Linear::new(
+                self.params.get(TAP_PROJ)?.shallow_clone(),
+                None,
+            )),
+        };
         Ok(EagleModules {
             head: self,
             fc,
+            tap_proj,
             layers,
             lm_head: Linear::new(self.lm_head.shallow_clone(), None),
         })
@@ -133,6 +163,7 @@ impl EagleHead {
 pub struct EagleModules<'a> {
     head: &'a EagleHead,
     fc: Linear,
+    tap_proj: Option<Linear>,
     layers: Vec<DecoderLayer>,
     /// The frozen target LM head (draft-vocabulary rows): drafting runs it on headway's fast CPU
     /// path, training through libtorch.
@@ -140,6 +171,28 @@ pub struct EagleModules<'a> {
 }
 
 impl EagleModules<'_> {
+    /// The head's input features `[..., hidden]` at positions where the target's are known: its
+    /// final features `hidden`, plus the projected tap fusion of `taps` (one `[..., hidden]`
+    /// tensor per configured tap, in order) for a tapped head.
+    pub fn fuse(&self, hidden: &Tensor, taps: &[Tensor]) -> Result<Tensor> {
+        let hidden = hidden.to_kind(Kind::Float);
+        match &self.tap_proj {
+            None if taps.is_empty() => Ok(hidden),
+            Some(proj) if taps.len() == self.head.config.taps.len() => {
+                let normed: Vec<Tensor> = taps
+                    .iter()
+                    .map(|t| rms_normalised(&t.to_kind(Kind::Float)))
+                    .collect();
+                Ok(hidden + proj.forward(&Tensor::cat(&normed, -1)))
+            }
+            _ => Err(HeadError::Invalid(format!(
+                "the EAGLE head reads the target's taps {:?}, but {} tap tensors were given",
+                self.head.config.taps,
+                taps.len()
+            ))),
+        }
+    }
+
     /// Predicted next features `[batch, new, hidden]` from the target's (or the head's own)
     /// features `[batch, new, hidden]` at `positions` and the ids `[batch, new]` of the tokens
     /// that follow them. With a cache, attention also covers the cached positions; `mask` as in
@@ -183,14 +236,23 @@ impl EagleModules<'_> {
     }
 }
 
+/// `x / rms(x)` over the last dimension: residual streams grow with depth, so taps of different
+/// layers are brought to one scale before they are mixed.
+fn rms_normalised(x: &Tensor) -> Tensor {
+    x * (x.square().mean_dim(-1, true, Kind::Float) + 1e-6).rsqrt()
+}
+
 /// Names and shapes of the parameters of an EAGLE head of shape `config` (EAGLE repository
-/// layout).
+/// layout, plus `tap_proj.weight` for a tapped head).
 pub fn parameter_shapes(config: &EagleConfig) -> Vec<(String, Vec<i64>)> {
     let h = config.layer.hidden_size as i64;
     let mut shapes = vec![
         ("fc.weight".to_string(), vec![h, 2 * h]),
         ("fc.bias".to_string(), vec![h]),
     ];
+    if !config.taps.is_empty() {
+        shapes.push((TAP_PROJ.to_string(), vec![h, config.taps.len() as i64 * h]));
+    }
     for index in 0..config.layers() {
         shapes.extend(layer_shapes(&config.layer, &layer_prefix(index), index > 0));
     }
@@ -237,6 +299,10 @@ mod tests {
     use headway_model::testing::tiny_config;
 
     fn head(layers: usize) -> EagleHead {
+        tapped_head(layers, vec![])
+    }
+
+    fn tapped_head(layers: usize, taps: Vec<usize>) -> EagleHead {
         tch::manual_seed(1);
         let config = tiny_config();
         let options = (Kind::Float, Device::Cpu);
@@ -245,7 +311,54 @@ mod tests {
             options,
         );
         let lm_head = embed.narrow(0, 0, 50);
-        EagleHead::new(EagleConfig::for_target(&config, layers), &embed, &lm_head).unwrap()
+        let config = EagleConfig::for_target(&config, layers).with_taps(taps);
+        EagleHead::new(config, &embed, &lm_head).unwrap()
+    }
+
+    #[test]
+    fn a_fresh_tapped_head_reads_the_final_features_alone_and_learns_to_read_its_taps() {
+        let plain = head(1);
+        let mut tapped = tapped_head(1, vec![0, 2]);
+        let names = |head: &EagleHead| {
+            head.params
+                .iter()
+                .map(|(n, _)| n.clone())
+                .collect::<Vec<_>>()
+        };
+        let mut extra = names(&tapped);
+        extra.retain(|n| !names(&plain).contains(n));
+        assert_eq!(extra, ["tap_proj.weight"]);
+        let h = plain.config.layer.hidden_size as i64;
+        let shape = [2, 6, h];
+        let hidden = Tensor::randn(shape, (Kind::Float, Device::Cpu));
+        let taps = [
+            Tensor::randn(shape, (Kind::Float, Device::Cpu)) * 30.0,
+            Tensor::randn(shape, (Kind::Float, Device::Cpu)),
+        ];
+        let fused = tapped.modules().unwrap().fuse(&hidden, &taps).unwrap();
+        assert!(fused.equal(&hidden));
+        assert!(plain
+            .modules()
+            .unwrap()
+            .fuse(&hidden, &[])
+            .unwrap()
+            .equal(&hidden));
+        let wrong = tapped
+            .modules()
+            .unwrap()
+            .fuse(&hidden, &taps[..1])
+            .err()
+            .unwrap();
+        assert!(wrong.to_string().contains("taps [0, 2]"), "{wrong}");
+        assert!(plain.modules().unwrap().fuse(&hidden, &taps).is_err());
+        // Each tap is normalised to unit RMS, whatever its scale, before the projection.
+        let ones = Tensor::ones([h, 2 * h], (Kind::Float, Device::Cpu));
+        tapped.params.insert("tap_proj.weight", &ones);
+        let fused = tapped.modules().unwrap().fuse(&hidden, &taps).unwrap();
+        let normed = |t: &Tensor| t / t.square().mean_dim(-1, true, Kind::Float).sqrt();
+        let expected =
+            &hidden + (normed(&taps[0]) + normed(&taps[1])).sum_dim_intlist(-1, true, Kind::Float);
+        assert!((fused - expected).abs().max().double_value(&[]) < 1e-3);
     }
 
     #[test]
@@ -253,6 +366,7 @@ mod tests {
         for layers in [1, 2] {
             every_parameter_learns(&head(layers));
         }
+        every_parameter_learns(&tapped_head(1, vec![1]));
         assert!(head(1)
             .params
             .get("layers.0.input_layernorm.weight")
@@ -280,11 +394,17 @@ mod tests {
     fn every_parameter_learns(head: &EagleHead) {
         let h = head.config.layer.hidden_size as i64;
         let features = Tensor::randn([2, 6, h], (Kind::Float, Device::Cpu));
+        let taps: Vec<Tensor> = head
+            .config
+            .taps
+            .iter()
+            .map(|_| Tensor::randn([2, 6, h], (Kind::Float, Device::Cpu)))
+            .collect();
         let ids = Tensor::randint(50, [2, 6], (Kind::Int64, Device::Cpu));
         let modules = head.modules().unwrap();
         let predicted = modules
             .forward(
-                &features,
+                &modules.fuse(&features, &taps).unwrap(),
                 &ids,
                 &positions(0, 6, Device::Cpu).expand([2, 6], false),
                 None,

@@ -455,6 +455,7 @@ mod tests {
         let verified = Verified {
             context: &context,
             hidden: &hidden,
+            taps: &[],
         };
         let mut sampler = Sampler::new(SamplingParams::default());
         let wide = EagleTreeShape {

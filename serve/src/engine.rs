@@ -48,22 +48,27 @@ pub struct Session<'t> {
     prompt_len: usize,
     /// Final hidden states of the positions cached by the last forward.
     fresh_hidden: Tensor,
+    /// Target layers whose residual stream the drafter reads.
+    taps: Vec<usize>,
+    /// Those taps at the positions cached by the last forward.
+    fresh_taps: Vec<Tensor>,
     acceptance: Acceptance,
 }
 
 impl<'t> Session<'t> {
     /// Runs the prompt through the target and picks the first token. `room` is how many new
-    /// tokens the session may emit (the cache also reserves `max_tree_tokens` for verification).
+    /// tokens the session may emit (the cache also reserves room for `drafter`'s largest tree,
+    /// and every forward returns the target taps `drafter` reads).
     pub fn start(
         target: &'t Target,
         prompt_ids: &[u32],
         room: usize,
-        max_tree_tokens: usize,
+        drafter: &dyn Drafter,
         acceptance: Acceptance,
         sampler: &mut Sampler,
     ) -> Result<Self> {
         check_request(target, prompt_ids.len(), room)?;
-        let capacity = prompt_ids.len() + room + max_tree_tokens + 1;
+        let capacity = prompt_ids.len() + room + drafter.max_tree_tokens() + 1;
         let cache = KvCache::new(
             target.model.config(),
             1,
@@ -77,14 +82,17 @@ impl<'t> Session<'t> {
             tokens: prompt_ids.to_vec(),
             prompt_len: prompt_ids.len(),
             fresh_hidden: Tensor::new(),
+            taps: drafter.taps().to_vec(),
+            fresh_taps: Vec::new(),
             acceptance,
         };
-        let hidden = session.forward(prompt_ids, None)?;
+        let (hidden, taps) = session.forward(prompt_ids, None)?;
         let last = hidden.get(prompt_ids.len() as i64 - 1);
         session
             .tokens
             .push(sampler.next_token(&target.model.lm_head.forward(&last)));
         session.fresh_hidden = hidden;
+        session.fresh_taps = taps;
         Ok(session)
     }
 
@@ -110,6 +118,7 @@ impl<'t> Session<'t> {
             &Verified {
                 context: &self.tokens,
                 hidden: &self.fresh_hidden,
+                taps: &self.fresh_taps,
             },
             sampler,
         )?;
@@ -122,7 +131,7 @@ impl<'t> Session<'t> {
         let input: Vec<u32> = std::iter::once(root)
             .chain(tree.nodes().iter().map(|n| n.token))
             .collect();
-        let hidden = self.forward(&input, Some(&tree.verification_parents()))?;
+        let (hidden, taps) = self.forward(&input, Some(&tree.verification_parents()))?;
         let logits = self
             .target
             .model
@@ -154,6 +163,7 @@ impl<'t> Session<'t> {
         let index = Tensor::from_slice(&entries.iter().map(|&e| e as i64).collect::<Vec<_>>())
             .to_device(hidden.device());
         self.fresh_hidden = hidden.index_select(0, &index);
+        self.fresh_taps = taps.iter().map(|t| t.index_select(0, &index)).collect();
         let emitted: Vec<u32> = path
             .iter()
             .map(|&n| tree.nodes()[n].token)
@@ -170,8 +180,13 @@ impl<'t> Session<'t> {
     }
 
     /// Runs `ids` after the cache (causally, or as a tree with `parents` in verification
-    /// numbering) and returns the final hidden states `[n, hidden]`.
-    fn forward(&mut self, ids: &[u32], parents: Option<&[Option<usize>]>) -> Result<Tensor> {
+    /// numbering) and returns the final hidden states `[n, hidden]` and the drafter's taps (each
+    /// `[n, hidden]`).
+    fn forward(
+        &mut self,
+        ids: &[u32],
+        parents: Option<&[Option<usize>]>,
+    ) -> Result<(Tensor, Vec<Tensor>)> {
         let _no_grad = tch::no_grad_guard();
         let device = self.target.device;
         let prefix = self.cache.len();
@@ -193,15 +208,15 @@ impl<'t> Session<'t> {
             input_ids: &input_ids,
             positions: &positions,
             mask: mask.as_ref(),
-            taps: &[],
+            taps: &self.taps,
         };
-        Ok(self
+        let output = self
             .target
             .model
             .model
-            .forward(&input, Some(&mut self.cache))?
-            .hidden
-            .get(0))
+            .forward(&input, Some(&mut self.cache))?;
+        let taps = output.taps.iter().map(|t| t.get(0)).collect();
+        Ok((output.hidden.get(0), taps))
     }
 }
 
@@ -240,7 +255,7 @@ pub fn generate_speculative(
         target,
         prompt_ids,
         max_new_tokens,
-        drafter.max_tree_tokens(),
+        drafter,
         acceptance,
         sampler,
     )?;

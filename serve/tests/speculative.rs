@@ -36,6 +36,10 @@ fn greedy() -> Sampler {
 struct OracleDrafter {
     truth: Vec<u32>,
     rng: StdRng,
+    /// Target taps to ask the engine for.
+    taps: Vec<usize>,
+    /// Every step's verified hidden states and taps.
+    seen: Vec<(Tensor, Vec<Tensor>)>,
 }
 
 impl OracleDrafter {
@@ -46,6 +50,8 @@ impl OracleDrafter {
 
 impl Drafter for OracleDrafter {
     fn draft(&mut self, verified: &Verified, _: &mut Sampler) -> headway_serve::Result<DraftTree> {
+        let taps = verified.taps.iter().map(Tensor::shallow_clone).collect();
+        self.seen.push((verified.hidden.shallow_clone(), taps));
         let mut tree = DraftTree::new();
         let start = verified.context.len();
         let depth = self.rng.random_range(0..=5);
@@ -81,6 +87,10 @@ impl Drafter for OracleDrafter {
     fn max_tree_tokens(&self) -> usize {
         20
     }
+
+    fn taps(&self) -> &[usize] {
+        &self.taps
+    }
 }
 
 fn oracle(target: &Target, prompt: &[u32], new_tokens: usize, seed: u64) -> OracleDrafter {
@@ -88,22 +98,29 @@ fn oracle(target: &Target, prompt: &[u32], new_tokens: usize, seed: u64) -> Orac
     OracleDrafter {
         truth: prompt.iter().chain(&plain.tokens).copied().collect(),
         rng: StdRng::seed_from_u64(seed),
+        taps: vec![],
+        seen: vec![],
     }
 }
 
 /// Fresh two-layer EAGLE head with random weights over a reversed 200-token draft vocabulary (the
-/// SmolLM2 test below runs a one-layer head).
-fn random_eagle(target: &Target) -> (EagleHead, Vec<u32>) {
+/// SmolLM2 test below runs a one-layer head), fusing the target's `taps` through a random
+/// projection.
+fn random_eagle(target: &Target, taps: Vec<usize>) -> (EagleHead, Vec<u32>) {
     tch::manual_seed(7);
     let d2t: Vec<u32> = (0..200).rev().collect();
     let vocab = DraftVocab { d2t: d2t.clone() };
     let lm_head = DraftVocab::lm_head_rows(Some(&vocab), target.model.lm_head.weight());
     let mut head = EagleHead::new(
-        EagleConfig::for_target(target.model.config(), 2),
+        EagleConfig::for_target(target.model.config(), 2).with_taps(taps),
         target.model.model.embed_tokens(),
         &lm_head,
     )
     .unwrap();
+    if let Ok(proj) = head.params.get("tap_proj.weight") {
+        let random = proj.randn_like() * 0.1;
+        head.params.insert("tap_proj.weight", &random);
+    }
     head.params.freeze();
     (head, d2t)
 }
@@ -147,7 +164,8 @@ fn speculative_tokens(
 fn greedy_speculative_output_equals_plain_greedy_for_every_drafter() {
     let (_dir, target) = tiny_target(11);
     let (_draft_dir, other) = tiny_target(12);
-    let (eagle, d2t) = random_eagle(&target);
+    let (eagle, d2t) = random_eagle(&target, vec![]);
+    let (tapped_eagle, _) = random_eagle(&target, vec![1]);
     let medusa = identity_medusa(&target);
     let new_tokens = 40;
     let capacity = 24 + new_tokens + 1;
@@ -181,6 +199,12 @@ fn greedy_speculative_output_equals_plain_greedy_for_every_drafter() {
             (
                 "eagle",
                 Box::new(EagleDrafter::new(&eagle, Some(d2t.clone()), shape, capacity).unwrap()),
+            ),
+            (
+                "eagle (tapped)",
+                Box::new(
+                    EagleDrafter::new(&tapped_eagle, Some(d2t.clone()), shape, capacity).unwrap(),
+                ),
             ),
             (
                 "medusa",
@@ -224,9 +248,17 @@ fn kv_cache_after_speculative_steps_equals_plain_decoding_of_the_same_tokens() {
     let (_dir, target) = tiny_target(21);
     let prompt: Vec<u32> = vec![5, 9, 14, 9, 5, 30, 31];
     let mut drafter = oracle(&target, &prompt, 60, 4);
+    drafter.taps = vec![1, 0];
     let mut sampler = greedy();
-    let mut session =
-        Session::start(&target, &prompt, 60, 20, Acceptance::Lossless, &mut sampler).unwrap();
+    let mut session = Session::start(
+        &target,
+        &prompt,
+        60,
+        &drafter,
+        Acceptance::Lossless,
+        &mut sampler,
+    )
+    .unwrap();
     let mut accepted = 0;
     for _ in 0..12 {
         accepted += session.step(&mut drafter, &mut sampler).unwrap().accepted();
@@ -246,13 +278,39 @@ fn kv_cache_after_speculative_steps_equals_plain_decoding_of_the_same_tokens() {
         input_ids: &ids,
         positions: &positions(0, cached.len(), Device::Cpu),
         mask: None,
-        taps: &[],
+        taps: &drafter.taps,
     };
-    target
+    let plain = target
         .model
         .model
         .forward(&input, Some(&mut fresh))
         .unwrap();
+    // Step by step the drafter was handed the hidden states and taps of exactly the positions
+    // entering the cache, in order (the last step's arrive with the next draft).
+    let seen = Tensor::cat(
+        &drafter
+            .seen
+            .iter()
+            .map(|s| s.0.shallow_clone())
+            .collect::<Vec<_>>(),
+        0,
+    );
+    let n = seen.size()[0];
+    assert!(n > prompt.len() as i64 + 12, "{n} positions seen");
+    let close = |a: &Tensor, b: &Tensor| (a - b).abs().max().double_value(&[]) < 1e-4;
+    assert!(close(&seen, &plain.hidden.get(0).narrow(0, 0, n)));
+    for (k, tap) in plain.taps.iter().enumerate() {
+        let seen_tap: Vec<Tensor> = drafter
+            .seen
+            .iter()
+            .map(|s| s.1[k].shallow_clone())
+            .collect();
+        assert!(
+            close(&Tensor::cat(&seen_tap, 0), &tap.get(0).narrow(0, 0, n)),
+            "tap {k}"
+        );
+    }
+    assert!(!close(&plain.taps[0], &plain.taps[1]));
     let layers = config.num_hidden_layers;
     for (a, b) in cache_rows(session.cache(), layers)
         .iter()

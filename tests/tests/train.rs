@@ -46,6 +46,8 @@ fn features(root: &Path) {
             "f32",
             "--held-out",
             "0.25",
+            "--layers",
+            "1",
         ],
         None,
     );
@@ -105,8 +107,9 @@ fn a_resumed_run_ends_with_the_same_weights_as_an_uninterrupted_one() {
     let root = dir.path();
     features(root);
     for (head, extra) in [
-        // Unrolled steps (training-time test) and bf16 autocast too resume bit for bit.
-        ("eagle", &["--unroll", "2"][..]),
+        // Unrolled steps (training-time test) of a head fusing a target tap, and bf16 autocast,
+        // resume bit for bit too.
+        ("eagle", &["--unroll", "2", "--taps", "1"][..]),
         (
             "medusa",
             &["--heads", "2", "--draft-vocab", "64", "--precision", "bf16"][..],
@@ -154,6 +157,26 @@ fn a_resumed_run_ends_with_the_same_weights_as_an_uninterrupted_one() {
             assert!(table.contains(name), "{head} eval lacks {name}: {table}");
         }
     }
+    let export = run(
+        "headway-train",
+        &[
+            "export",
+            "--heads",
+            root.join("eagle-whole").to_str().unwrap(),
+            "--format",
+            "eagle",
+            "--target",
+            root.join("target").to_str().unwrap(),
+            "--out",
+            root.join("exported").to_str().unwrap(),
+        ],
+    );
+    assert!(!export.status.success());
+    assert!(
+        stderr(&export).contains("fuses the target's taps [1]"),
+        "{}",
+        stderr(&export)
+    );
 }
 
 #[test]
@@ -287,6 +310,16 @@ fn features_of_another_target_and_a_corrupt_checkpoint_are_refused() {
     assert!(!refused.status.success());
     assert!(
         stderr(&refused).contains("were extracted from target"),
+        "{}",
+        stderr(&refused)
+    );
+
+    let tapped = root.join("tapped");
+    let args = train_args("eagle", root, tapped.to_str().unwrap(), &["--taps", "0,1"]);
+    let refused = headway_train(&as_strs(&args), None);
+    assert!(!refused.status.success());
+    assert!(
+        stderr(&refused).contains("layer-0 tap") && stderr(&refused).contains("stores taps [1]"),
         "{}",
         stderr(&refused)
     );

@@ -7,6 +7,7 @@
 //! orders are pure functions of (seed, epoch), so a resumed run sees exactly the batches an
 //! uninterrupted one would.
 
+use anyhow::Context;
 use headway_datasets::features::{FeatureSet, ShardData, ShardSplit};
 use headway_datasets::split::mix64;
 use serde::{Deserialize, Serialize};
@@ -20,6 +21,8 @@ pub struct Batch {
     pub loss_mask: Tensor,
     /// `[batch, len, hidden]` f32 final hidden states.
     pub hidden: Tensor,
+    /// `[batch, len, hidden]` f32 residual-stream taps, those the stream was asked for, in order.
+    pub taps: Vec<Tensor>,
     /// Real tokens in the batch.
     pub tokens: usize,
 }
@@ -78,6 +81,8 @@ pub struct BatchStream<'a> {
     shuffle: bool,
     batch_tokens: usize,
     device: Device,
+    /// Indices into the feature set's stored taps of the taps each batch carries.
+    tap_columns: Vec<usize>,
     pub position: DataPosition,
     /// The shard in memory: (index in the epoch's order, its data, its sequence order, batches).
     current: Option<LoadedShard>,
@@ -116,8 +121,30 @@ impl<'a> BatchStream<'a> {
             shuffle,
             batch_tokens,
             device,
+            tap_columns: Vec::new(),
             position,
             current: None,
+        })
+    }
+
+    /// The same stream with batches that also carry the residual-stream taps of target layers
+    /// `taps`, which the feature set must store.
+    pub fn with_taps(self, taps: &[usize]) -> anyhow::Result<Self> {
+        let stored = &self.set.manifest.settings.taps;
+        let tap_columns = taps
+            .iter()
+            .map(|tap| {
+                stored.iter().position(|s| s == tap).with_context(|| {
+                    format!(
+                        "the head reads the target's layer-{tap} tap, but {} stores taps {stored:?} (prepare with --layers)",
+                        self.set.dir.display()
+                    )
+                })
+            })
+            .collect::<anyhow::Result<_>>()?;
+        Ok(Self {
+            tap_columns,
+            ..self
         })
     }
 
@@ -218,17 +245,22 @@ impl<'a> BatchStream<'a> {
             )
         };
         let (mut ids, mut mask, mut hidden) = (vec![], vec![], vec![]);
+        let mut taps: Vec<Vec<Tensor>> = self.tap_columns.iter().map(|_| vec![]).collect();
         for (&i, &len) in members.iter().zip(&lengths) {
             let seq = data.sequence(i);
             ids.push(pad(seq.input_ids.to_kind(Kind::Int64), len));
             mask.push(pad(seq.loss_mask.to_kind(Kind::Bool), len));
             hidden.push(pad(seq.hidden.to_kind(Kind::Float), len));
+            for (column, tap) in self.tap_columns.iter().zip(&mut taps) {
+                tap.push(pad(seq.taps[*column].to_kind(Kind::Float), len));
+            }
         }
         let on_device = |ts: Vec<Tensor>| Tensor::stack(&ts, 0).to_device(self.device);
         Batch {
             ids: on_device(ids),
             loss_mask: on_device(mask),
             hidden: on_device(hidden),
+            taps: taps.into_iter().map(on_device).collect(),
             tokens: lengths.iter().sum::<i64>() as usize,
         }
     }

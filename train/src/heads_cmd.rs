@@ -116,6 +116,12 @@ pub struct EagleArgs {
     /// round costs about one more forward and backward.
     #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u16).range(1..=8))]
     unroll: u16,
+    /// Target layers k (comma-separated) whose residual stream, the hidden state after k decoder
+    /// layers, the head fuses into its input where the target's features are known (after
+    /// EAGLE-3's low/middle/high-layer fusion). The features must store them: `prepare --layers`.
+    /// Serving then asks the target for them too. Default: none (EAGLE-1).
+    #[arg(long, value_delimiter = ',')]
+    taps: Vec<usize>,
 }
 
 #[derive(clap::Args)]
@@ -348,7 +354,7 @@ pub fn run_eagle(args: EagleArgs) -> anyhow::Result<()> {
     tch::manual_seed(args.common.seed as i64);
     let layers = usize::from(args.layers);
     let head = EagleHead::new(
-        EagleConfig::for_target(setup.target.model.config(), layers),
+        EagleConfig::for_target(setup.target.model.config(), layers).with_taps(args.taps.clone()),
         setup.target.model.model.embed_tokens(),
         &lm_head_rows(&setup.target, draft.as_ref()),
     )?;
@@ -362,7 +368,10 @@ pub fn run_eagle(args: EagleArgs) -> anyhow::Result<()> {
         &setup,
         &args.common,
         &mut objective,
-        HeadKind::Eagle { layers },
+        HeadKind::Eagle {
+            layers,
+            taps: args.taps,
+        },
         draft.as_ref(),
     )
 }

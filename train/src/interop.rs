@@ -123,7 +123,11 @@ pub fn run_export(args: ExportArgs) -> anyhow::Result<()> {
                 "headway_target_fingerprint": checkpoint.config.target.fingerprint,
             })
         }
-        (HeadKind::Eagle { layers }, Format::Eagle) => {
+        (HeadKind::Eagle { taps, .. }, Format::Eagle) if !taps.is_empty() => anyhow::bail!(
+            "{} fuses the target's taps {taps:?} into its input, which the EAGLE repository's layout has no place for; only untapped heads export",
+            checkpoint.dir.display()
+        ),
+        (HeadKind::Eagle { layers, .. }, Format::Eagle) => {
             let text = std::fs::read_to_string(target.join("config.json"))?;
             let mut config: serde_json::Value = serde_json::from_str(&text)?;
             config["num_hidden_layers"] = (*layers).into();
@@ -263,12 +267,16 @@ pub fn run_import(args: ImportArgs) -> anyhow::Result<()> {
                 "{}: num_hidden_layers is 0; an EAGLE head has at least one layer",
                 config_path.display()
             );
-            (HeadKind::Eagle { layers }, weights, draft_vocab)
+            let head = HeadKind::Eagle {
+                layers,
+                taps: vec![],
+            };
+            (head, weights, draft_vocab)
         }
     };
     let expected = match &head {
         HeadKind::Medusa(medusa) => medusa.parameter_shapes(),
-        HeadKind::Eagle { layers } => headway_heads::eagle::parameter_shapes(
+        HeadKind::Eagle { layers, .. } => headway_heads::eagle::parameter_shapes(
             &EagleConfig::for_target(&target_config, *layers),
         ),
     };

@@ -52,6 +52,10 @@ pub trait Objective {
     /// Computes the loss and figures of `batch`; when `backward_scale` is given, also adds
     /// `scale × ∂loss/∂params` to the gradients.
     fn run(&mut self, batch: &Batch, backward_scale: Option<f64>) -> anyhow::Result<Metrics>;
+    /// Target layers whose residual-stream taps the batches must carry.
+    fn taps(&self) -> &[usize] {
+        &[]
+    }
     /// Extra evaluation-only figures (EAGLE's chain acceptance).
     fn evaluate(&mut self, batch: &Batch) -> anyhow::Result<Metrics> {
         self.run(batch, None)
@@ -197,16 +201,23 @@ impl EagleObjective {
 }
 
 /// The next round's input features: position i gets the head's prediction of f_i (its output
-/// at i − 1); position 0 keeps the target's feature.
-fn own_predictions_as_inputs(batch: &Batch, predicted: &Tensor) -> Tensor {
-    let len = batch.ids.size()[1];
+/// at i − 1); position 0 keeps the input from the target's features, `target_inputs`.
+fn own_predictions_as_inputs(target_inputs: &Tensor, predicted: &Tensor) -> Tensor {
+    let len = target_inputs.size()[1];
     Tensor::cat(
         &[
-            batch.hidden.narrow(1, 0, 1),
-            predicted.narrow(1, 0, len - 2),
+            target_inputs.narrow(1, 0, 1),
+            predicted.narrow(1, 0, len - 1),
         ],
         1,
     )
+}
+
+/// The head's inputs for positions ..T-1 from the target's features (and taps).
+fn target_inputs(modules: &EagleModules, batch: &Batch) -> anyhow::Result<Tensor> {
+    let len = batch.ids.size()[1];
+    let taps: Vec<Tensor> = batch.taps.iter().map(|t| t.narrow(1, 0, len - 1)).collect();
+    Ok(modules.fuse(&batch.hidden.narrow(1, 0, len - 1), &taps)?)
 }
 
 /// Predicted features for positions 1.. from input features for positions ..T-1.
@@ -227,17 +238,22 @@ impl Objective for EagleObjective {
         &mut self.head.params
     }
 
+    fn taps(&self) -> &[usize] {
+        &self.head.config.taps
+    }
+
     fn run(&mut self, batch: &Batch, backward_scale: Option<f64>) -> anyhow::Result<Metrics> {
         let mut metrics = Metrics::default();
         let len = batch.ids.size()[1];
         if len < 2 {
             return Ok(metrics);
         }
-        let mut inputs = batch.hidden.narrow(1, 0, len - 1);
+        let modules = self.head.modules()?;
+        let from_target = target_inputs(&modules, batch)?;
+        let mut inputs = from_target.shallow_clone();
         if backward_scale.is_some() && self.noise > 0.0 {
             inputs = &inputs + inputs.rand_like() * (2.0 * self.noise) - self.noise;
         }
-        let modules = self.head.modules()?;
         let target = batch.hidden.narrow(1, 1, len - 1);
         let valid = batch.loss_mask.narrow(1, 1, len - 1);
         let count = valid.sum(Kind::Int64).int64_value(&[]);
@@ -281,7 +297,7 @@ impl Objective for EagleObjective {
                 metrics.add(&format!("round{round}/top1"), scored.top1, n);
             }
             if round < rounds {
-                inputs = own_predictions_as_inputs(batch, &predicted);
+                inputs = own_predictions_as_inputs(&from_target, &predicted);
             }
         }
         let loss = Tensor::stack(&round_losses, 0).mean(Kind::Float);
@@ -315,7 +331,8 @@ impl Objective for EagleObjective {
         let lm_head = modules.lm_head_weight();
         let scratch = &mut self.logits_scratch;
         let greedy = projected_argmax(&pick(&batch.hidden.narrow(1, 1, len - 1)), lm_head, scratch);
-        let mut inputs = batch.hidden.narrow(1, 0, len - 1);
+        let from_target = target_inputs(&modules, batch)?;
+        let mut inputs = from_target.shallow_clone();
         for step in 1..=self.chain_steps {
             let predicted = predict(&modules, &inputs, batch)?;
             let drafted = projected_argmax(&pick(&predicted), lm_head, scratch);
@@ -325,7 +342,7 @@ impl Objective for EagleObjective {
                 .double_value(&[]);
             let n = count as f64;
             metrics.add(&format!("alpha{step}"), hits, n);
-            inputs = own_predictions_as_inputs(batch, &predicted);
+            inputs = own_predictions_as_inputs(&from_target, &predicted);
         }
         Ok(metrics)
     }
@@ -339,6 +356,10 @@ mod tests {
     use tch::Device;
 
     fn objective(unroll: usize) -> EagleObjective {
+        tapped_objective(unroll, vec![])
+    }
+
+    fn tapped_objective(unroll: usize, taps: Vec<usize>) -> EagleObjective {
         tch::manual_seed(11);
         let config = tiny_config();
         let options = (Kind::Float, Device::Cpu);
@@ -347,7 +368,7 @@ mod tests {
             options,
         );
         let head = EagleHead::new(
-            EagleConfig::for_target(&config, 1),
+            EagleConfig::for_target(&config, 1).with_taps(taps),
             &embed,
             &embed.narrow(0, 0, 64),
         )
@@ -365,8 +386,23 @@ mod tests {
             ids,
             loss_mask,
             hidden,
+            taps: vec![],
             tokens: 18,
         }
+    }
+
+    #[test]
+    fn a_tapped_head_learns_its_tap_projection_from_the_batches_taps() {
+        let mut objective = tapped_objective(2, vec![1]);
+        let mut batch = batch();
+        batch.taps = vec![batch.hidden.randn_like() * 5.0];
+        let metrics = objective.run(&batch, Some(1.0)).unwrap();
+        assert!(metrics.mean("round2/top1").is_some());
+        let grad = objective.params().get("tap_proj.weight").unwrap().grad();
+        assert!(grad.abs().sum(Kind::Float).double_value(&[]) > 0.0);
+        batch.taps.clear();
+        let error = objective.run(&batch, None).err().unwrap().to_string();
+        assert!(error.contains("taps [1]"), "{error}");
     }
 
     fn gradients(objective: &EagleObjective) -> Vec<Tensor> {

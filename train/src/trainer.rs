@@ -99,7 +99,8 @@ impl Trainer<'_> {
             s.batch_tokens,
             self.device,
             position,
-        )?;
+        )?
+        .with_taps(objective.taps())?;
         let mut writer = SummaryWriter::new(self.out.join("logs"));
         let bar = progress_bar(s.total_steps, step);
         let start = Instant::now();
@@ -281,7 +282,8 @@ pub fn evaluate(
         batch_tokens,
         device,
         DataPosition::default(),
-    )?;
+    )?
+    .with_taps(objective.taps())?;
     let mut metrics = Metrics::default();
     while let Some(batch) = stream.next_batch()? {
         metrics.merge(&objective.evaluate(&batch)?);

@@ -69,6 +69,8 @@ pub struct DraftRecord {
 
 pub struct EagleDrafter<'h> {
     modules: EagleModules<'h>,
+    /// The target taps the head fuses into its input.
+    taps: Vec<usize>,
     d2t: Option<Vec<u32>>,
     cache: KvCache,
     /// Positions whose (feature, next token) pair is in the cache: the target's cached prefix.
@@ -94,6 +96,7 @@ impl<'h> EagleDrafter<'h> {
         }
         Ok(Self {
             modules: head.modules()?,
+            taps: head.config.taps.clone(),
             d2t,
             cache: head.new_cache(1, capacity + shape.depth * shape.top_k)?,
             committed: 0,
@@ -123,8 +126,9 @@ impl<'h> EagleDrafter<'h> {
             .map(|&t| i64::from(t))
             .collect();
         let ids = Tensor::from_slice(&ids).unsqueeze(0).to_device(device);
+        let inputs = self.modules.fuse(verified.hidden, verified.taps)?;
         let out = self.modules.forward(
-            &verified.hidden.unsqueeze(0),
+            &inputs.unsqueeze(0),
             &ids,
             &positions(start, m, device),
             Some(&mut self.cache),
@@ -256,6 +260,10 @@ impl Drafter for EagleDrafter<'_> {
         self.shape.tree_tokens
     }
 
+    fn taps(&self) -> &[usize] {
+        &self.taps
+    }
+
     fn reset(&mut self) {
         self.committed = 0;
         self.cache
@@ -322,14 +330,23 @@ pub(crate) mod tests {
 
     /// A frozen EAGLE head of `layers` layers with random weights for the tiny test target.
     pub(crate) fn tiny_frozen_head(seed: i64, layers: usize) -> EagleHead {
+        tapped_frozen_head(seed, layers, vec![])
+    }
+
+    /// The same, fusing `taps` through a random (not the fresh, zero) tap projection.
+    fn tapped_frozen_head(seed: i64, layers: usize, taps: Vec<usize>) -> EagleHead {
         tch::manual_seed(seed);
         let config = tiny_config();
         let embed = Tensor::randn(
             [config.vocab_size as i64, config.hidden_size as i64],
             (Kind::Float, Device::Cpu),
         );
-        let mut head =
-            EagleHead::new(EagleConfig::for_target(&config, layers), &embed, &embed).unwrap();
+        let config = EagleConfig::for_target(&config, layers).with_taps(taps);
+        let mut head = EagleHead::new(config, &embed, &embed).unwrap();
+        if let Ok(proj) = head.params.get("tap_proj.weight") {
+            let random = proj.randn_like() * 0.1;
+            head.params.insert("tap_proj.weight", &random);
+        }
         head.params.freeze();
         head
     }
@@ -342,6 +359,7 @@ pub(crate) mod tests {
         for layers in [1, 2] {
             tree_drafting_follows_the_heads_chain(&tiny_frozen_head(5, layers));
         }
+        tree_drafting_follows_the_heads_chain(&tapped_frozen_head(5, 1, vec![1, 0]));
     }
 
     fn tree_drafting_follows_the_heads_chain(head: &EagleHead) {
@@ -356,11 +374,19 @@ pub(crate) mod tests {
         let mut sampler = Sampler::new(Default::default());
         let context: Vec<u32> = vec![3, 17, 40, 2, 99, 5];
         let hidden = Tensor::randn([10, h], (Kind::Float, Device::Cpu));
+        let taps: Vec<Tensor> = head
+            .config
+            .taps
+            .iter()
+            .map(|_| Tensor::randn([10, h], (Kind::Float, Device::Cpu)))
+            .collect();
         for (len, rows) in [(6usize, 0..5i64), (9, 5..8)] {
             let ctx: Vec<u32> = context.iter().copied().chain([7, 8, 9]).take(len).collect();
+            let rows = |t: &Tensor| t.narrow(0, rows.start, rows.end - rows.start);
             let verified = Verified {
                 context: &ctx,
-                hidden: &hidden.narrow(0, rows.start, rows.end - rows.start),
+                hidden: &rows(&hidden),
+                taps: &taps.iter().map(rows).collect::<Vec<_>>(),
             };
             let tree = drafter.draft(&verified, &mut sampler).unwrap();
             let chain: Vec<u32> = tree.nodes().iter().map(|n| n.token).collect();
@@ -373,9 +399,12 @@ pub(crate) mod tests {
                 Tensor::from_slice(&t.iter().map(|&x| i64::from(x)).collect::<Vec<_>>())
                     .unsqueeze(0)
             };
+            let prefix_rows = |t: &Tensor| t.narrow(0, 0, prefix as i64);
+            let prefix_taps: Vec<Tensor> = taps.iter().map(prefix_rows).collect();
+            let inputs = modules.fuse(&prefix_rows(&hidden), &prefix_taps).unwrap();
             let out = modules
                 .forward(
-                    &hidden.narrow(0, 0, prefix as i64).unsqueeze(0),
+                    &inputs.unsqueeze(0),
                     &ids(&ctx[1..]),
                     &positions(0, prefix, Device::Cpu),
                     Some(&mut cache),

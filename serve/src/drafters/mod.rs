@@ -29,6 +29,9 @@ pub struct Verified<'a> {
     /// The target's final hidden states `[m, hidden]` of the `m` positions that entered its KV
     /// cache in the last forward: `context[len - 1 - m .. len - 1]`.
     pub hidden: &'a Tensor,
+    /// The target's residual-stream taps `[m, hidden]` at the same positions, one per layer in
+    /// [`Drafter::taps`].
+    pub taps: &'a [Tensor],
 }
 
 pub trait Drafter {
@@ -38,6 +41,12 @@ pub trait Drafter {
 
     /// The most nodes a tree from this drafter can have (the engine reserves KV cache room).
     fn max_tree_tokens(&self) -> usize;
+
+    /// Target layers whose residual stream (hidden state after that many layers) the drafter
+    /// reads besides the final hidden states.
+    fn taps(&self) -> &[usize] {
+        &[]
+    }
 
     /// Called before a new sequence: drop any state of the previous one.
     fn reset(&mut self) {}
