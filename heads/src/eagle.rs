@@ -131,12 +131,13 @@ impl EagleHead {
                 DecoderLayer::load_with(&mut &self.params, &prefix, &self.config.layer, index > 0)
             })
             .collect::<std::result::Result<Vec<_>, _>>()?;
-        let tap_proj = match self.config.taps.is_empty() {
-            true => None,
-            false => Some(Linear::new(
+        let tap_proj = if self.config.taps.is_empty() {
+            None
+        } else {
+            Some(Linear::new(
                 self.params.get(TAP_PROJ)?.shallow_clone(),
                 None,
-            )),
+            ))
         };
         Ok(EagleModules {
             head: self,

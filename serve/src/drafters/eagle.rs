@@ -382,11 +382,11 @@ pub(crate) mod tests {
             .collect();
         for (len, rows) in [(6usize, 0..5i64), (9, 5..8)] {
             let ctx: Vec<u32> = context.iter().copied().chain([7, 8, 9]).take(len).collect();
-            let rows = |t: &Tensor| t.narrow(0, rows.start, rows.end - rows.start);
+            let fresh_rows = |t: &Tensor| t.narrow(0, rows.start, rows.end - rows.start);
             let verified = Verified {
                 context: &ctx,
-                hidden: &rows(&hidden),
-                taps: &taps.iter().map(rows).collect::<Vec<_>>(),
+                hidden: &fresh_rows(&hidden),
+                taps: &taps.iter().map(fresh_rows).collect::<Vec<_>>(),
             };
             let tree = drafter.draft(&verified, &mut sampler).unwrap();
             let chain: Vec<u32> = tree.nodes().iter().map(|n| n.token).collect();
