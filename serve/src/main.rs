@@ -183,7 +183,7 @@ fn run_generate(args: GenerateArgs) -> anyhow::Result<()> {
         prompt_ids.len(),
         g.prefill_seconds,
         g.stop_reason,
-        args.draft.method.name(),
+        args.draft.label(),
         out.steps.len() + 1,
         out.tau(),
     );
@@ -224,12 +224,13 @@ fn run_bench(args: BenchArgs) -> anyhow::Result<()> {
     let capacity = (longest + args.turns * args.max_new_tokens + 64)
         .min(target.model.config().max_position_embeddings);
     let method = args.draft.method;
+    let label = args.draft.label();
     if args.draft.typical && !sampling.is_greedy() {
         eprintln!("warning: --typical is lossy: sampled outputs no longer follow the target's distribution");
     }
     eprintln!(
         "bench {}: {} questions × up to {} turns, {} new tokens each, {:?} {:?}, {} threads",
-        method.name(),
+        label,
         questions.len(),
         args.turns,
         args.max_new_tokens,
@@ -237,7 +238,7 @@ fn run_bench(args: BenchArgs) -> anyhow::Result<()> {
         target.kind,
         headway_model::linear::cpu_inference_threads()
     );
-    let progress = |name: &'static str| {
+    let progress = |name: String| {
         move |r: &PromptResult| {
             eprintln!(
                 "  {name:<6} question {:>3} turn {} {:<15} {:>4} prompt + {:>4} new tokens {:>6.2} s {:>6.1} tok/s τ {:.2}",
@@ -261,7 +262,7 @@ fn run_bench(args: BenchArgs) -> anyhow::Result<()> {
         }
         warm_up(&target, drafter.as_mut(), first, &options)?;
     }
-    let (mut ar_progress, mut method_progress) = (progress("ar"), progress(method.name()));
+    let (mut ar_progress, mut method_progress) = (progress("ar".into()), progress(label.clone()));
     let (mut baseline, mut run) = (MethodRun::default(), MethodRun::default());
     // Plain decoding and the method alternate question by question, so that the host's drifting
     // speed (shared machines) weighs on both alike.
@@ -311,18 +312,24 @@ fn run_bench(args: BenchArgs) -> anyhow::Result<()> {
             "ranking": t.ranking,
         })),
         "draft_tokens": args.draft.draft_tokens,
+        "with_lookup": args.draft.with_lookup,
         "tree": args.draft.tree.as_ref().map(|p| p.display().to_string()),
         "acceptance": args.draft.acceptance(),
         "seconds_drafting": run.draft_seconds,
         "seconds_verifying": run.verify_seconds,
         "steps": run.steps,
     });
-    let report = report(method.name(), settings, &run, baseline.as_ref());
+    let report = report(&label, settings, &run, baseline.as_ref());
     let mut table = markdown(&report);
     if let Some(tuned) = &resources.tuned {
         table.push_str(&format!(
-            "\nAuto-tuned tree: {}; predicted τ {:.2}, {:.1} tokens/s; measured τ {:.2}, {:.1} tokens/s.\n",
+            "\nAuto-tuned tree: {}{}; predicted τ {:.2}, {:.1} tokens/s; measured τ {:.2}, {:.1} tokens/s.\n",
             tuned.best.description,
+            if args.draft.with_lookup {
+                " (the model's tree; the prediction leaves out the lookup chain)"
+            } else {
+                ""
+            },
             1.0 + tuned.best.accepted,
             tuned.best.tokens_per_s,
             report.tau,

@@ -10,7 +10,7 @@ use crate::acceptance::Acceptance;
 use crate::autotune::{tune_eagle, tune_medusa, Tuned};
 use crate::drafters::{
     DraftModelDrafter, Drafter, EagleDrafter, EagleTreeShape, LookupDrafter, MedusaDrafter,
-    NoDrafter,
+    NoDrafter, WithLookup,
 };
 use crate::error::{Result, ServeError};
 use crate::tree::TreeChoices;
@@ -75,6 +75,10 @@ pub struct DraftArgs {
     /// Draft model and prompt lookup: tokens per chain.
     #[arg(long, default_value_t = 5)]
     pub draft_tokens: usize,
+    /// EAGLE, Medusa and draft model: also verify prompt lookup's chain (up to --draft-tokens
+    /// tokens, where the context repeats an n-gram) in the same forward as the model's tree.
+    #[arg(long)]
+    pub with_lookup: bool,
     /// LOSSY: Medusa's typical acceptance instead of rejection sampling when sampling (accept a
     /// draft whose target probability exceeds min(--typical-threshold, --typical-alpha ·
     /// exp(−entropy))). Faster at high temperature; the output no longer follows the target's
@@ -88,6 +92,23 @@ pub struct DraftArgs {
 }
 
 impl DraftArgs {
+    /// The method's name in reports: `eagle+lookup` with --with-lookup.
+    pub fn label(&self) -> String {
+        if self.with_lookup {
+            format!("{}+lookup", self.method.name())
+        } else {
+            self.method.name().to_string()
+        }
+    }
+
+    /// The prompt-lookup drafter these options describe.
+    fn lookup(&self) -> LookupDrafter {
+        LookupDrafter {
+            num_tokens: self.draft_tokens,
+            ..Default::default()
+        }
+    }
+
     /// The acceptance rule these options ask for.
     pub fn acceptance(&self) -> Acceptance {
         if self.typical {
@@ -146,6 +167,13 @@ pub struct DraftResources {
 impl DraftResources {
     /// Loads what `args.method` needs for `target`.
     pub fn load(args: &DraftArgs, target: &Target) -> Result<Self> {
+        if args.with_lookup && matches!(args.method, Method::Ar | Method::Lookup) {
+            return Err(invalid(format!(
+                "--with-lookup adds prompt lookup to a model's drafts (eagle, medusa, draft); \
+                 for lookup alone use --method lookup, not --method {} --with-lookup",
+                args.method.name()
+            )));
+        }
         let needs_heads = matches!(args.method, Method::Eagle | Method::Medusa);
         let head = match (&args.heads, needs_heads) {
             (Some(path), true) => {
@@ -233,6 +261,21 @@ impl DraftResources {
         target: &Target,
         capacity: usize,
     ) -> Result<Box<dyn Drafter + 'a>> {
+        let drafter = self.model_drafter(args, target, capacity)?;
+        Ok(if args.with_lookup {
+            Box::new(WithLookup::new(drafter, args.lookup()))
+        } else {
+            drafter
+        })
+    }
+
+    /// The drafter of `args.method` alone.
+    fn model_drafter<'a>(
+        &'a self,
+        args: &DraftArgs,
+        target: &Target,
+        capacity: usize,
+    ) -> Result<Box<dyn Drafter + 'a>> {
         let d2t = || {
             self.head
                 .as_ref()
@@ -241,10 +284,7 @@ impl DraftResources {
         };
         Ok(match (args.method, self.head.as_ref().map(|h| &h.head)) {
             (Method::Ar, _) => Box::new(NoDrafter),
-            (Method::Lookup, _) => Box::new(LookupDrafter {
-                num_tokens: args.draft_tokens,
-                ..Default::default()
-            }),
+            (Method::Lookup, _) => Box::new(args.lookup()),
             (Method::Draft, _) => {
                 let model = self
                     .draft_model

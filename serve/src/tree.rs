@@ -126,6 +126,32 @@ impl DraftTree {
         tree
     }
 
+    /// Adds `tokens` as a deterministic path from the root, reusing the longest prefix of it that
+    /// the tree already holds as deterministic nodes, so that no candidate is verified twice. The
+    /// new nodes come after their siblings: acceptance tries them last.
+    pub fn graft_chain(&mut self, tokens: &[u32]) {
+        let mut parent = None;
+        let mut rest = tokens;
+        while let Some((&token, tail)) = rest.split_first() {
+            let Some(existing) = self.children(parent).find(|&c| {
+                let node = &self.nodes[c];
+                node.token == token && matches!(node.proposal, Proposal::Deterministic)
+            }) else {
+                break;
+            };
+            parent = Some(existing);
+            rest = tail;
+        }
+        for &token in rest {
+            self.nodes.push(Node {
+                token,
+                parent,
+                proposal: Proposal::Deterministic,
+            });
+            parent = Some(self.nodes.len() - 1);
+        }
+    }
+
     /// Parents in the verification input's numbering, where the root is entry 0 and node `i` is
     /// entry `i + 1` (for [`headway_model::mask::tree_mask`]).
     pub fn verification_parents(&self) -> Vec<Option<usize>> {
@@ -286,6 +312,39 @@ mod tests {
         let shallow = tree.truncated(1);
         assert_eq!(shallow.len(), 2);
         assert_eq!(tree.truncated(0).len(), 0);
+    }
+
+    #[test]
+    fn a_grafted_chain_shares_the_deterministic_prefix_already_in_the_tree() {
+        let mut tree = DraftTree::new();
+        tree.push(5, None, Proposal::Deterministic).unwrap();
+        tree.push(6, None, Proposal::Deterministic).unwrap();
+        tree.push(7, Some(0), Proposal::Deterministic).unwrap();
+        tree.push(8, None, Proposal::Sampled(Rc::new(vec![0.5; 9])))
+            .unwrap();
+        // 5 → 7 is in the tree; 9 → 4 goes under node 2.
+        tree.graft_chain(&[5, 7, 9, 4]);
+        let shape: Vec<(u32, Option<usize>)> =
+            tree.nodes().iter().map(|n| (n.token, n.parent)).collect();
+        assert_eq!(
+            shape,
+            vec![
+                (5, None),
+                (6, None),
+                (7, Some(0)),
+                (8, None),
+                (9, Some(2)),
+                (4, Some(4))
+            ]
+        );
+        // A sampled node is a draw, not a claim: a chain through its token gets its own node,
+        // tried after it.
+        tree.graft_chain(&[8]);
+        assert_eq!(tree.children(None).collect::<Vec<_>>(), vec![0, 1, 3, 6]);
+        let before = tree.len();
+        tree.graft_chain(&[5, 7]);
+        tree.graft_chain(&[]);
+        assert_eq!(tree.len(), before);
     }
 
     #[test]

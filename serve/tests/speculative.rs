@@ -10,7 +10,7 @@ use headway_model::{generate, ForwardInput, KvCache, Message, Sampler, SamplingP
 use headway_serve::acceptance::Acceptance;
 use headway_serve::drafters::{
     DraftModelDrafter, Drafter, EagleDrafter, EagleTreeShape, LookupDrafter, MedusaDrafter,
-    NoDrafter, Verified,
+    NoDrafter, Verified, WithLookup,
 };
 use headway_serve::engine::{generate_greedy, generate_speculative, Session};
 use headway_serve::tree::{DraftTree, Proposal, TreeChoices};
@@ -214,6 +214,29 @@ fn greedy_speculative_output_equals_plain_greedy_for_every_drafter() {
                 "oracle",
                 Box::new(oracle(&target, prompt, new_tokens, i as u64)),
             ),
+            (
+                "eagle + lookup",
+                Box::new(WithLookup::new(
+                    Box::new(
+                        EagleDrafter::new(&eagle, Some(d2t.clone()), shape, capacity).unwrap(),
+                    ),
+                    LookupDrafter::default(),
+                )),
+            ),
+            (
+                "medusa + lookup",
+                Box::new(WithLookup::new(
+                    Box::new(MedusaDrafter::new(&medusa, None, choices.clone()).unwrap()),
+                    LookupDrafter::default(),
+                )),
+            ),
+            (
+                "draft (other model) + lookup",
+                Box::new(WithLookup::new(
+                    Box::new(DraftModelDrafter::new(&other, &target, 4, capacity).unwrap()),
+                    LookupDrafter::default(),
+                )),
+            ),
         ];
         for (name, drafter) in &mut drafters {
             let (tokens, tau) = speculative_tokens(&target, drafter.as_mut(), prompt, new_tokens);
@@ -230,6 +253,18 @@ fn greedy_speculative_output_equals_plain_greedy_for_every_drafter() {
         mean("draft (same model)")
     );
     assert!(mean("oracle") > 1.8, "τ {}", mean("oracle"));
+    // Both drafts must come through the merged tree: it accepts about what the better one
+    // accepts alone (the draft model and lookup each add to the other here).
+    for model in ["eagle", "medusa", "draft (other model)"] {
+        let (alone, with) = (mean(model), mean(&format!("{model} + lookup")));
+        let best = alone.max(mean("lookup"));
+        assert!(
+            with > best - 0.02,
+            "{model}: τ {alone} alone, {} lookup alone, {with} together",
+            mean("lookup")
+        );
+    }
+    assert!(mean("draft (other model) + lookup") > mean("lookup") + 0.02);
 }
 
 /// Keys and values of every layer for all cached positions.
@@ -439,12 +474,18 @@ fn speculative_sampling_keeps_the_target_distribution_and_typical_acceptance_doe
     let mut sampled_draft = DraftModelDrafter::new(&other, &target, 3, capacity).unwrap();
     let mut argmax_chain =
         GreedyChain(DraftModelDrafter::new(&target, &target, 3, capacity).unwrap());
+    // Deterministic lookup candidates tried after sampled siblings.
+    let mut sampled_with_lookup = WithLookup::new(
+        Box::new(DraftModelDrafter::new(&other, &target, 3, capacity).unwrap()),
+        LookupDrafter::default(),
+    );
     for (name, drafter) in [
         (
             "sampled draft model",
             &mut sampled_draft as &mut dyn Drafter,
         ),
         ("deterministic argmax chain", &mut argmax_chain),
+        ("sampled draft model + lookup", &mut sampled_with_lookup),
     ] {
         let counts = run(drafter, Acceptance::Lossless, 2);
         let (stat, critical) = homogeneity(&plain, &counts);
@@ -502,6 +543,13 @@ fn greedy_speculative_output_equals_plain_greedy_on_smollm2() {
             (
                 "eagle",
                 Box::new(EagleDrafter::new(&eagle, None, shape, capacity).unwrap()),
+            ),
+            (
+                "eagle + lookup",
+                Box::new(WithLookup::new(
+                    Box::new(EagleDrafter::new(&eagle, None, shape, capacity).unwrap()),
+                    LookupDrafter::default(),
+                )),
             ),
             (
                 "medusa",

@@ -31,6 +31,7 @@ fn every_subcommand_explains_its_flags() {
                 "--limit",
                 "--turns",
                 "--tree-tokens",
+                "--with-lookup",
                 "--json",
             ][..],
         ),
@@ -148,6 +149,34 @@ fn bad_sampling_values_are_refused_with_the_field_name() {
     );
     assert!(!out.status.success());
     assert!(stderr(&out).contains("temperature"), "{}", stderr(&out));
+}
+
+#[test]
+fn with_lookup_needs_a_model_drafter() {
+    let dir = tempfile::tempdir().unwrap();
+    write_tiny_model(dir.path(), 3).unwrap();
+    let target = dir.path().to_str().unwrap();
+    for method in ["ar", "lookup"] {
+        let out = run(
+            "headway-serve",
+            &[
+                "generate",
+                "--target",
+                target,
+                "--prompt",
+                "x",
+                "--method",
+                method,
+                "--with-lookup",
+            ],
+        );
+        assert!(!out.status.success());
+        assert!(
+            stderr(&out).contains(&format!("not --method {method} --with-lookup")),
+            "{}",
+            stderr(&out)
+        );
+    }
 }
 
 #[test]

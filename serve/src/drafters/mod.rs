@@ -7,6 +7,7 @@ mod draft_model;
 mod eagle;
 mod lookup;
 mod medusa;
+mod with_lookup;
 
 pub use draft_model::DraftModelDrafter;
 #[cfg(test)]
@@ -14,6 +15,7 @@ pub(crate) use eagle::tests::tiny_frozen_head;
 pub use eagle::{best_subtree, Candidate, DraftRecord, EagleDrafter, EagleTreeShape};
 pub use lookup::LookupDrafter;
 pub use medusa::{GuessRecord, MedusaDrafter, RECORDED_RANKS};
+pub use with_lookup::WithLookup;
 
 use headway_model::Sampler;
 use tch::Tensor;

@@ -281,7 +281,7 @@ pub struct Usage {
 /// Extension: how speculation went for this request.
 #[derive(Debug, Clone, Serialize)]
 pub struct Speculative {
-    pub method: &'static str,
+    pub method: String,
     pub target_forwards: usize,
     pub accepted_tokens: usize,
     /// Tokens per target forward (plain decoding: 1).

@@ -71,7 +71,7 @@ struct AppState {
     tokenizer: TextTokenizer,
     chat_template: Option<ChatTemplate>,
     model_name: String,
-    method: &'static str,
+    method: String,
     max_context: usize,
     default_max_tokens: usize,
     api_key: Option<String>,
@@ -100,7 +100,7 @@ pub fn run(args: HttpArgs) -> anyhow::Result<()> {
         tokenizer: TextTokenizer::from_file(&dir.join("tokenizer.json"))?,
         chat_template: ChatTemplate::from_dir(&dir)?,
         model_name: engine.model_name.clone(),
-        method: engine.method,
+        method: engine.method.clone(),
         max_context,
         default_max_tokens: args.default_max_tokens,
         api_key: args.api_key.clone(),
@@ -119,7 +119,7 @@ pub fn run(args: HttpArgs) -> anyhow::Result<()> {
         tracing::info!(
             address = %listener.local_addr()?,
             model = %state.model_name,
-            method = state.method,
+            method = %state.method,
             max_context,
             max_queue = args.max_queue,
             api_key = state.api_key.is_some(),
@@ -383,7 +383,7 @@ async fn generate(
         id,
         created: unix_time(),
         model: state.model_name.clone(),
-        method: state.method,
+        method: state.method.clone(),
         kind,
     };
     if settings.stream {
@@ -400,7 +400,7 @@ struct Reply {
     id: String,
     created: u64,
     model: String,
-    method: &'static str,
+    method: String,
     kind: Kind,
 }
 
@@ -413,7 +413,7 @@ impl Reply {
                 total_tokens: f.prompt_tokens + f.completion_tokens,
             },
             Speculative {
-                method: self.method,
+                method: self.method.clone(),
                 target_forwards: f.target_forwards,
                 accepted_tokens: f.accepted_tokens,
                 tau: f.completion_tokens as f64 / f.target_forwards.max(1) as f64,

@@ -51,7 +51,7 @@ pub struct Finished {
 pub struct Engine {
     pub queue: SyncSender<Job>,
     pub model_name: String,
-    pub method: &'static str,
+    pub method: String,
     pub thread: std::thread::JoinHandle<()>,
 }
 
@@ -72,7 +72,7 @@ impl Engine {
     ) -> anyhow::Result<Self> {
         let (queue, jobs) = std::sync::mpsc::sync_channel::<Job>(max_queue);
         let (ready_tx, ready_rx) = std::sync::mpsc::channel::<Result<String, String>>();
-        let method = draft_args.method.name();
+        let method = draft_args.label();
         let acceptance = draft_args.acceptance();
         let thread = std::thread::Builder::new()
             .name("headway-engine".into())

@@ -1,0 +1,44 @@
+//! A model drafter with prompt lookup grafted on: wherever the context repeats an n-gram, what
+//! followed it is verified in the same forward as the model's tree. Text that copies its prompt
+//! (summaries, retrieval answers, names kept in a translation) gets lookup's long accepted runs,
+//! and the rest gets the model's guesses; one verification serves both.
+
+use headway_model::Sampler;
+
+use super::{Drafter, LookupDrafter, Verified};
+use crate::error::Result;
+use crate::tree::DraftTree;
+
+pub struct WithLookup<'a> {
+    model: Box<dyn Drafter + 'a>,
+    lookup: LookupDrafter,
+}
+
+impl<'a> WithLookup<'a> {
+    pub fn new(model: Box<dyn Drafter + 'a>, lookup: LookupDrafter) -> Self {
+        Self { model, lookup }
+    }
+}
+
+impl Drafter for WithLookup<'_> {
+    /// The model's tree with the lookup chain added as a deterministic path; a prefix of the
+    /// chain that the model drafted too is shared (see [`DraftTree::graft_chain`]), so lossless
+    /// acceptance still sees each candidate once per parent among the deterministic ones.
+    fn draft(&mut self, verified: &Verified, sampler: &mut Sampler) -> Result<DraftTree> {
+        let mut tree = self.model.draft(verified, sampler)?;
+        tree.graft_chain(&self.lookup.propose(verified.context));
+        Ok(tree)
+    }
+
+    fn max_tree_tokens(&self) -> usize {
+        self.model.max_tree_tokens() + self.lookup.num_tokens
+    }
+
+    fn taps(&self) -> &[usize] {
+        self.model.taps()
+    }
+
+    fn reset(&mut self) {
+        self.model.reset();
+    }
+}
