@@ -114,6 +114,11 @@ impl Drafter for DraftModelDrafter<'_> {
         Ok(DraftTree::chain(&tokens, proposals))
     }
 
+    /// The next draft re-syncs its cache with the context.
+    fn skip(&mut self, _: &Verified) -> Result<()> {
+        Ok(())
+    }
+
     fn max_tree_tokens(&self) -> usize {
         self.num_tokens
     }

@@ -78,6 +78,8 @@ pub struct EagleDrafter<'h> {
     shape: EagleTreeShape,
     /// Every step's candidates while recording.
     records: Option<Vec<DraftRecord>>,
+    /// Verified features and taps of skipped steps, fed at the next catch-up in one forward.
+    skipped: Vec<(Tensor, Vec<Tensor>)>,
 }
 
 impl<'h> EagleDrafter<'h> {
@@ -102,12 +104,19 @@ impl<'h> EagleDrafter<'h> {
             committed: 0,
             shape,
             records: None,
+            skipped: Vec::new(),
         })
     }
 
-    /// Adds the newly verified (feature, next token) pairs; returns the head's last prediction.
+    /// Adds the (feature, next token) pairs verified since the last draft; returns the head's last
+    /// prediction.
     fn catch_up(&mut self, verified: &Verified) -> Result<Tensor> {
-        let m = verified.hidden.size()[0] as usize;
+        let skipped = std::mem::take(&mut self.skipped);
+        let hidden = rows_in_order(skipped.iter().map(|s| &s.0), verified.hidden);
+        let taps: Vec<Tensor> = (0..verified.taps.len())
+            .map(|k| rows_in_order(skipped.iter().map(|s| &s.1[k]), &verified.taps[k]))
+            .collect();
+        let m = hidden.size()[0] as usize;
         let prefix = verified.context.len() - 1;
         let start = prefix - m;
         self.cache.truncate(self.committed)?;
@@ -120,13 +129,13 @@ impl<'h> EagleDrafter<'h> {
                 ),
             });
         }
-        let device = verified.hidden.device();
+        let device = hidden.device();
         let ids: Vec<i64> = verified.context[start + 1..=prefix]
             .iter()
             .map(|&t| i64::from(t))
             .collect();
         let ids = Tensor::from_slice(&ids).unsqueeze(0).to_device(device);
-        let inputs = self.modules.fuse(verified.hidden, verified.taps)?;
+        let inputs = self.modules.fuse(&hidden, &taps)?;
         let out = self.modules.forward(
             &inputs.unsqueeze(0),
             &ids,
@@ -256,6 +265,16 @@ impl Drafter for EagleDrafter<'_> {
         Ok(tree)
     }
 
+    /// Keeps the verified rows for the next catch-up: one forward over several steps' rows costs
+    /// little more than over one step's.
+    fn skip(&mut self, verified: &Verified) -> Result<()> {
+        self.skipped.push((
+            verified.hidden.shallow_clone(),
+            verified.taps.iter().map(Tensor::shallow_clone).collect(),
+        ));
+        Ok(())
+    }
+
     fn max_tree_tokens(&self) -> usize {
         self.shape.tree_tokens
     }
@@ -266,10 +285,17 @@ impl Drafter for EagleDrafter<'_> {
 
     fn reset(&mut self) {
         self.committed = 0;
+        self.skipped.clear();
         self.cache
             .truncate(0)
             .expect("truncating to 0 always succeeds");
     }
+}
+
+/// The skipped steps' rows, then the newest step's, as one tensor.
+fn rows_in_order<'t>(skipped: impl Iterator<Item = &'t Tensor>, newest: &'t Tensor) -> Tensor {
+    let parts: Vec<&Tensor> = skipped.chain(std::iter::once(newest)).collect();
+    Tensor::cat(&parts, 0)
 }
 
 /// Keeps every step's candidates.
@@ -356,13 +382,18 @@ pub(crate) mod tests {
     /// accepted tokens must agree too (catch-up after truncating the drafted nodes).
     #[test]
     fn tree_drafting_equals_running_the_head_step_by_step() {
-        for layers in [1, 2] {
-            tree_drafting_follows_the_heads_chain(&tiny_frozen_head(5, layers));
+        for skip_first in [false, true] {
+            for layers in [1, 2] {
+                tree_drafting_follows_the_heads_chain(&tiny_frozen_head(5, layers), skip_first);
+            }
+            let tapped = tapped_frozen_head(5, 1, vec![1, 0]);
+            tree_drafting_follows_the_heads_chain(&tapped, skip_first);
         }
-        tree_drafting_follows_the_heads_chain(&tapped_frozen_head(5, 1, vec![1, 0]));
     }
 
-    fn tree_drafting_follows_the_heads_chain(head: &EagleHead) {
+    /// With `skip_first`, the first step is skipped and the second catches up on both steps'
+    /// rows at once.
+    fn tree_drafting_follows_the_heads_chain(head: &EagleHead, skip_first: bool) {
         let _no_grad = tch::no_grad_guard();
         let h = head.config.layer.hidden_size as i64;
         let shape = EagleTreeShape {
@@ -388,6 +419,10 @@ pub(crate) mod tests {
                 hidden: &fresh_rows(&hidden),
                 taps: &taps.iter().map(fresh_rows).collect::<Vec<_>>(),
             };
+            if skip_first && len == 6 {
+                drafter.skip(&verified).unwrap();
+                continue;
+            }
             let tree = drafter.draft(&verified, &mut sampler).unwrap();
             let chain: Vec<u32> = tree.nodes().iter().map(|n| n.token).collect();
             assert_eq!(tree.max_depth(), 4);

@@ -106,6 +106,11 @@ impl Drafter for MedusaDrafter<'_> {
         Ok(tree)
     }
 
+    /// The heads keep no state between steps.
+    fn skip(&mut self, _: &Verified) -> Result<()> {
+        Ok(())
+    }
+
     fn max_tree_tokens(&self) -> usize {
         self.choices.paths().len()
     }

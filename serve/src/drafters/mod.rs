@@ -41,6 +41,14 @@ pub trait Drafter {
     /// order, with every position that entered the target's cache since the previous call.
     fn draft(&mut self, verified: &Verified, sampler: &mut Sampler) -> Result<DraftTree>;
 
+    /// Called instead of [`Drafter::draft`] for a step whose tree comes from elsewhere (see
+    /// [`WithLookup`]): stay in step with what was verified. By default this drafts greedily and
+    /// drops the tree, which is right for any drafter; drafters override it to do less.
+    fn skip(&mut self, verified: &Verified) -> Result<()> {
+        let mut greedy = Sampler::new(Default::default());
+        self.draft(verified, &mut greedy).map(drop)
+    }
+
     /// The most nodes a tree from this drafter can have (the engine reserves KV cache room).
     fn max_tree_tokens(&self) -> usize;
 

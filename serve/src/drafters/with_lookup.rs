@@ -1,13 +1,15 @@
 //! A model drafter with prompt lookup grafted on: wherever the context repeats an n-gram, what
 //! followed it is verified in the same forward as the model's tree. Text that copies its prompt
 //! (summaries, retrieval answers, names kept in a translation) gets lookup's long accepted runs,
-//! and the rest gets the model's guesses; one verification serves both.
+//! and the rest gets the model's guesses; one verification serves both. Where lookup matches two
+//! or more tokens its chain goes alone and the model only catches up (the EAGLE head lazily, at
+//! its next draft).
 
 use headway_model::Sampler;
 
 use super::{Drafter, LookupDrafter, Verified};
 use crate::error::Result;
-use crate::tree::DraftTree;
+use crate::tree::{DraftTree, Proposal};
 
 pub struct WithLookup<'a> {
     model: Box<dyn Drafter + 'a>,
@@ -20,13 +22,26 @@ impl<'a> WithLookup<'a> {
     }
 }
 
+/// Lookup chains of this many tokens or more (matches of two or more tokens) are verified alone:
+/// on Spec-Bench they were mostly right, and on a CPU the model's drafting and extra nodes then
+/// cost more than they add.
+const LOOKUP_ALONE_FROM: usize = 2;
+
 impl Drafter for WithLookup<'_> {
     /// The model's tree with the lookup chain added as a deterministic path; a prefix of the
     /// chain that the model drafted too is shared (see [`DraftTree::graft_chain`]), so lossless
     /// acceptance still sees each candidate once per parent among the deterministic ones.
     fn draft(&mut self, verified: &Verified, sampler: &mut Sampler) -> Result<DraftTree> {
+        let chain = self.lookup.propose(verified.context);
+        if chain.len() >= LOOKUP_ALONE_FROM {
+            self.model.skip(verified)?;
+            return Ok(DraftTree::chain(
+                &chain,
+                std::iter::repeat(Proposal::Deterministic),
+            ));
+        }
         let mut tree = self.model.draft(verified, sampler)?;
-        tree.graft_chain(&self.lookup.propose(verified.context));
+        tree.graft_chain(&chain);
         Ok(tree)
     }
 
@@ -36,6 +51,10 @@ impl Drafter for WithLookup<'_> {
 
     fn taps(&self) -> &[usize] {
         self.model.taps()
+    }
+
+    fn skip(&mut self, verified: &Verified) -> Result<()> {
+        self.model.skip(verified)
     }
 
     fn reset(&mut self) {
