@@ -130,20 +130,8 @@ impl<'a> BatchStream<'a> {
     /// The same stream with batches that also carry the residual-stream taps of target layers
     /// `taps`, which the feature set must store.
     pub fn with_taps(self, taps: &[usize]) -> anyhow::Result<Self> {
-        let stored = &self.set.manifest.settings.taps;
-        let tap_columns = taps
-            .iter()
-            .map(|tap| {
-                stored.iter().position(|s| s == tap).with_context(|| {
-                    format!(
-                        "the head reads the target's layer-{tap} tap, but {} stores taps {stored:?} (prepare with --layers)",
-                        self.set.dir.display()
-                    )
-                })
-            })
-            .collect::<anyhow::Result<_>>()?;
         Ok(Self {
-            tap_columns,
+            tap_columns: tap_columns(self.set, taps)?,
             ..self
         })
     }
@@ -264,6 +252,21 @@ impl<'a> BatchStream<'a> {
             tokens: lengths.iter().sum::<i64>() as usize,
         }
     }
+}
+
+/// Where each of the target layers `taps` sits among the taps that `set` stores.
+pub fn tap_columns(set: &FeatureSet, taps: &[usize]) -> anyhow::Result<Vec<usize>> {
+    let stored = &set.manifest.settings.taps;
+    taps.iter()
+        .map(|tap| {
+            stored.iter().position(|s| s == tap).with_context(|| {
+                format!(
+                    "the head reads the target's layer-{tap} tap, but {} stores taps {stored:?} (prepare with --layers)",
+                    set.dir.display()
+                )
+            })
+        })
+        .collect()
 }
 
 #[cfg(test)]

@@ -14,7 +14,7 @@ use headway_model::linear::{set_cpu_workload, CpuWorkload};
 use headway_model::{Target, TargetArgs};
 use tch::{Kind, Tensor};
 
-use crate::data::BatchStream;
+use crate::data::{tap_columns, BatchStream};
 use crate::objective::{EagleObjective, MedusaObjective, Objective};
 use crate::optim::AdamWConfig;
 use crate::trainer::{evaluate, summary_line, Precision, TrainSettings, Trainer};
@@ -350,6 +350,8 @@ pub fn run_medusa(args: MedusaArgs) -> anyhow::Result<()> {
 
 pub fn run_eagle(args: EagleArgs) -> anyhow::Result<()> {
     let setup = setup(&args.common.target, &args.common.features)?;
+    // Before the draft-vocabulary count, which reads every shard.
+    tap_columns(&setup.features, &args.taps)?;
     let draft = draft_vocab(&setup, args.common.draft_vocab)?;
     tch::manual_seed(args.common.seed as i64);
     let layers = usize::from(args.layers);
