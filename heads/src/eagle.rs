@@ -22,7 +22,7 @@ use crate::error::{HeadError, Result};
 use crate::params::Params;
 
 /// The tap fusion's projection `[hidden, taps × hidden]`.
-const TAP_PROJ: &str = "tap_proj.weight";
+pub(crate) const TAP_PROJ: &str = "tap_proj.weight";
 
 /// Prefix of decoder layer `index`'s parameters.
 pub fn layer_prefix(index: usize) -> String {

@@ -15,6 +15,7 @@ pub mod eagle;
 pub mod error;
 pub mod medusa;
 pub mod params;
+pub mod testing;
 
 pub use draft_vocab::DraftVocab;
 pub use eagle::{EagleConfig, EagleHead};

@@ -117,10 +117,7 @@ fn random_eagle(target: &Target, taps: Vec<usize>) -> (EagleHead, Vec<u32>) {
         &lm_head,
     )
     .unwrap();
-    if let Ok(proj) = head.params.get("tap_proj.weight") {
-        let random = proj.randn_like() * 0.1;
-        head.params.insert("tap_proj.weight", &random);
-    }
+    headway_heads::testing::randomize_tap_projection(&mut head, 0.1);
     head.params.freeze();
     (head, d2t)
 }

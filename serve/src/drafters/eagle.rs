@@ -369,10 +369,7 @@ pub(crate) mod tests {
         );
         let config = EagleConfig::for_target(&config, layers).with_taps(taps);
         let mut head = EagleHead::new(config, &embed, &embed).unwrap();
-        if let Ok(proj) = head.params.get("tap_proj.weight") {
-            let random = proj.randn_like() * 0.1;
-            head.params.insert("tap_proj.weight", &random);
-        }
+        headway_heads::testing::randomize_tap_projection(&mut head, 0.1);
         head.params.freeze();
         head
     }
