@@ -10,6 +10,10 @@
 //!    recorded candidates, Medusa trees built from the heads' measured per-rank accuracies.
 //! 4. Predicted tokens/s = (1 + accepted) / (target latency of 1 + tree tokens + drafting time).
 //!
+//! With `--with-lookup` each replayed step runs as the drafter would run it: prompt lookup's chain
+//! for that step's context alone when it is long, else grafted onto the model's tree (Medusa's
+//! trees are then built from each step's recorded guesses instead of the accuracy formula).
+//!
 //! The replay is exact for EAGLE shapes whose expanded nodes the wide run also expanded, and
 //! treats the rare others as unexpanded (a slight underestimate).
 
@@ -21,8 +25,8 @@ use headway_model::{ForwardInput, KvCache, Target};
 use tch::Tensor;
 
 use crate::drafters::{
-    best_subtree, Candidate, DraftRecord, EagleDrafter, EagleTreeShape, GuessRecord, MedusaDrafter,
-    Recording,
+    best_subtree, lookup_alone, Candidate, DraftRecord, EagleDrafter, EagleTreeShape, GuessRecord,
+    LookupDrafter, MedusaDrafter, Recording,
 };
 use crate::engine::generate_greedy;
 use crate::error::Result;
@@ -160,17 +164,20 @@ impl Tuned {
 }
 
 /// What a recorded warm-up gives: every step's record with the tokens the target emitted after
-/// its root, and the drafter's time.
+/// its root, the drafter's time, and, with a lookup drafter, its chain at every step.
 struct WarmUp<R> {
     steps: Vec<(R, Vec<u32>)>,
     draft_seconds: f64,
     step_count: usize,
+    lookup_chains: Option<Vec<Vec<u32>>>,
 }
 
-/// Greedy decoding of every prompt with `drafter` recording its drafts.
+/// Greedy decoding of every prompt with `drafter` recording its drafts (and what `lookup` would
+/// have proposed beside them).
 fn record_warm_up<D: Recording>(
     target: &Target,
     drafter: &mut D,
+    lookup: Option<&LookupDrafter>,
     prompts: &[Vec<u32>],
     new_tokens: usize,
 ) -> Result<WarmUp<D::Record>> {
@@ -178,6 +185,7 @@ fn record_warm_up<D: Recording>(
         steps: Vec::new(),
         draft_seconds: 0.0,
         step_count: 0,
+        lookup_chains: lookup.map(|_| Vec::new()),
     };
     for prompt in prompts {
         drafter.record();
@@ -190,8 +198,11 @@ fn record_warm_up<D: Recording>(
             .copied()
             .collect();
         for record in drafter.take_records() {
-            let truth = sequence[D::root(&record) + 1..].to_vec();
-            warm_up.steps.push((record, truth));
+            let root = D::root(&record);
+            if let (Some(lookup), Some(chains)) = (lookup, &mut warm_up.lookup_chains) {
+                chains.push(lookup.propose(&sequence[..=root]));
+            }
+            warm_up.steps.push((record, sequence[root + 1..].to_vec()));
         }
     }
     Ok(warm_up)
@@ -214,6 +225,43 @@ fn accepted_length(tree: &DraftTree, truth: &[u32]) -> usize {
         }
     }
     accepted
+}
+
+/// Accepted tokens and seconds of one replayed step whose model tree is `tree` (drafted in
+/// `draft_seconds`); under `--with-lookup`, `chain` is lookup's proposal for the step, verified
+/// alone when long (the model then does not draft) and otherwise grafted onto the tree.
+fn replay_step(
+    tree: DraftTree,
+    chain: Option<&[u32]>,
+    truth: &[u32],
+    latency: &LatencyProfile,
+    draft_seconds: f64,
+) -> (usize, f64) {
+    let (tree, drafted) = match chain {
+        None => (tree, true),
+        Some(chain) => match lookup_alone(chain) {
+            Some(alone) => (alone, false),
+            None => {
+                let mut tree = tree;
+                tree.graft_chain(chain);
+                (tree, true)
+            }
+        },
+    };
+    let seconds = latency.at(tree.len() + 1) + if drafted { draft_seconds } else { 0.0 };
+    (accepted_length(&tree, truth), seconds)
+}
+
+/// Mean accepted tokens and mean seconds of replayed steps.
+fn mean_step(steps: impl Iterator<Item = (usize, f64)>) -> (f64, f64) {
+    let (mut count, mut accepted, mut seconds) = (0usize, 0usize, 0.0);
+    for (a, s) in steps {
+        count += 1;
+        accepted += a;
+        seconds += s;
+    }
+    let n = count.max(1) as f64;
+    (accepted as f64 / n, seconds / n)
 }
 
 /// The candidates an EAGLE drafter of `shape` would have drafted, re-selected from a wider
@@ -276,12 +324,13 @@ fn finish<T>(
 }
 
 /// Tunes EAGLE's tree shape (depth ≤ `max.depth`, top-k ≤ `max.top_k`, tree tokens ≤
-/// `max.tree_tokens`) on this device.
+/// `max.tree_tokens`) on this device, alone or beside `lookup` (`--with-lookup`).
 pub fn tune_eagle(
     target: &Target,
     head: &EagleHead,
     d2t: Option<Vec<u32>>,
     max: EagleTreeShape,
+    lookup: Option<&LookupDrafter>,
     prompts: &[Vec<u32>],
     new_tokens: usize,
 ) -> Result<Tuned> {
@@ -292,7 +341,9 @@ pub fn tune_eagle(
         steps,
         draft_seconds,
         step_count,
-    } = record_warm_up(target, &mut drafter, prompts, new_tokens)?;
+        lookup_chains,
+    } = record_warm_up(target, &mut drafter, lookup, prompts, new_tokens)?;
+    let chain = |i: usize| lookup_chains.as_ref().map(|c| c[i].as_slice());
     let per_depth = draft_seconds / step_count.max(1) as f64 / max.depth as f64;
     let mut options = Vec::new();
     for depth in 1..=max.depth {
@@ -302,15 +353,23 @@ pub fn tune_eagle(
                 .map(|(r, truth)| (replay_candidates(r, depth, top_k), truth.as_slice()))
                 .collect();
             // A tree of n tokens is at most n deep and keeps at most n children of a node: a
-            // deeper or wider draft selects the same tree for more drafting time.
-            let sizes = TREE_SIZES
-                .into_iter()
-                .filter(|&n| n <= max.tree_tokens && n >= depth && n >= top_k);
+            // deeper or wider draft selects the same tree for more drafting time. The shape
+            // drafts at most top-k nodes at depth 1 and top-k² at each later depth, so sizes past
+            // the first that holds them all give the same tree.
+            let drafted = top_k + (depth - 1) * top_k * top_k;
+            let all_drafted = TREE_SIZES.into_iter().find(|&n| n >= drafted);
+            let sizes = TREE_SIZES.into_iter().filter(|&n| {
+                n <= max.tree_tokens
+                    && n >= depth
+                    && n >= top_k
+                    && all_drafted.is_none_or(|all| n <= all)
+            });
             for tree_tokens in sizes {
-                let accepted: usize = replays
-                    .iter()
-                    .map(|(c, truth)| accepted_length(&best_subtree(c, tree_tokens), truth))
-                    .sum();
+                let (accepted, seconds) =
+                    mean_step(replays.iter().enumerate().map(|(i, (c, truth))| {
+                        let tree = best_subtree(c, tree_tokens);
+                        replay_step(tree, chain(i), truth, &latency, depth as f64 * per_depth)
+                    }));
                 let shape = EagleTreeShape {
                     depth,
                     top_k,
@@ -319,8 +378,8 @@ pub fn tune_eagle(
                 let predicted = prediction(
                     format!("depth {depth}, top-k {top_k}, {tree_tokens} tokens"),
                     tree_tokens,
-                    accepted as f64 / replays.len().max(1) as f64,
-                    latency.at(tree_tokens + 1) + depth as f64 * per_depth,
+                    accepted,
+                    seconds,
                 );
                 options.push((predicted, shape));
             }
@@ -337,12 +396,13 @@ pub fn tune_eagle(
 }
 
 /// Tunes the size of a Medusa tree built from the heads' per-rank accuracies, measured while
-/// decoding the warm-up prompts.
+/// decoding the warm-up prompts, alone or beside `lookup` (`--with-lookup`).
 pub fn tune_medusa(
     target: &Target,
     heads: &MedusaHeads,
     d2t: Option<Vec<u32>>,
     max_tree_tokens: usize,
+    lookup: Option<&LookupDrafter>,
     prompts: &[Vec<u32>],
     new_tokens: usize,
 ) -> Result<Tuned> {
@@ -353,28 +413,38 @@ pub fn tune_medusa(
         steps,
         draft_seconds,
         step_count,
-    } = record_warm_up(target, &mut drafter, prompts, new_tokens)?;
+        lookup_chains,
+    } = record_warm_up(target, &mut drafter, lookup, prompts, new_tokens)?;
     let accuracy = rank_accuracy(&steps);
     let draft_step = draft_seconds / step_count.max(1) as f64;
     let mut options = Vec::new();
     for tree_tokens in TREE_SIZES.into_iter().filter(|&n| n <= max_tree_tokens) {
         let choices = TreeChoices::from_accuracies(&accuracy, tree_tokens);
-        // Expected accepted length: each path is accepted with the product of its accuracies.
-        let accepted: f64 = choices
-            .paths()
-            .iter()
-            .map(|path| {
-                path.iter()
-                    .enumerate()
-                    .map(|(d, &r)| accuracy[d][r])
-                    .product::<f64>()
-            })
-            .sum();
+        let (accepted, seconds) = match &lookup_chains {
+            // Expected accepted length: each path is accepted with the product of its accuracies.
+            None => (
+                choices
+                    .paths()
+                    .iter()
+                    .map(|path| {
+                        path.iter()
+                            .enumerate()
+                            .map(|(d, &r)| accuracy[d][r])
+                            .product::<f64>()
+                    })
+                    .sum(),
+                latency.at(tree_tokens + 1) + draft_step,
+            ),
+            Some(chains) => mean_step(steps.iter().zip(chains).map(|((record, truth), chain)| {
+                let tree = choices.build(&record.guesses);
+                replay_step(tree, Some(chain), truth, &latency, draft_step)
+            })),
+        };
         let predicted = prediction(
             format!("{tree_tokens} tokens from measured head accuracies"),
             tree_tokens,
             accepted,
-            latency.at(tree_tokens + 1) + draft_step,
+            seconds,
         );
         options.push((predicted, choices));
     }
@@ -416,6 +486,7 @@ pub fn rank_accuracy(steps: &[(GuessRecord, Vec<u32>)]) -> Vec<Vec<f64>> {
 mod tests {
     use super::*;
     use crate::drafters::{tiny_frozen_head, Drafter, Verified};
+    use crate::tree::Proposal;
     use headway_model::{Sampler, SamplingParams};
     use tch::{Device, Kind};
 
@@ -429,6 +500,36 @@ mod tests {
         assert_eq!(profile.at(2), 1.5);
         assert_eq!(profile.at(4), 3.0);
         assert_eq!(profile.at(9), 4.0);
+    }
+
+    /// A replayed step runs as `--with-lookup` would run it: a one-token lookup guess joins the
+    /// model's tree (one more node to verify), a longer chain goes alone without the model's
+    /// drafting time.
+    #[test]
+    fn replayed_steps_with_lookup_graft_short_chains_and_send_long_ones_alone() {
+        let latency = LatencyProfile {
+            tokens: vec![1, 64],
+            seconds: vec![1.0, 64.0],
+        };
+        let model_tree = || DraftTree::chain(&[7, 8], std::iter::repeat(Proposal::Deterministic));
+        let truth = [7, 9, 4, 5];
+        let draft = 0.5;
+        assert_eq!(
+            replay_step(model_tree(), None, &truth, &latency, draft),
+            (1, 3.5)
+        );
+        assert_eq!(
+            replay_step(model_tree(), Some(&[3]), &truth, &latency, draft),
+            (1, 4.5)
+        );
+        // A guess the model drafted too is shared: nothing more to verify.
+        let grafted = replay_step(model_tree(), Some(&[7]), &truth, &latency, draft);
+        assert_eq!(grafted, (1, 3.5));
+        assert_eq!(
+            replay_step(model_tree(), Some(&[7, 9, 4]), &truth, &latency, draft),
+            (3, 4.0)
+        );
+        assert_eq!(mean_step([(1, 3.5), (3, 4.0)].into_iter()), (2.0, 3.75));
     }
 
     #[test]

@@ -326,7 +326,7 @@ fn run_bench(args: BenchArgs) -> anyhow::Result<()> {
             "\nAuto-tuned tree: {}{}; predicted τ {:.2}, {:.1} tokens/s; measured τ {:.2}, {:.1} tokens/s.\n",
             tuned.best.description,
             if args.draft.with_lookup {
-                " (the model's tree; the prediction leaves out the lookup chain)"
+                " (the model's tree, predicted with the lookup chain)"
             } else {
                 ""
             },

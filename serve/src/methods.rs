@@ -227,6 +227,7 @@ impl DraftResources {
             .and_then(|h| h.draft_vocab.as_ref())
             .map(|v| v.d2t.clone());
         const WARM_UP_TOKENS: usize = 48;
+        let lookup = args.with_lookup.then(|| args.lookup());
         self.tuned = match self.head.as_ref().map(|h| &h.head) {
             Some(DraftHead::Eagle(head)) => {
                 let max = EagleTreeShape {
@@ -234,13 +235,22 @@ impl DraftResources {
                     top_k: args.tree_top_k,
                     tree_tokens: AUTO_MAX_TREE_TOKENS,
                 };
-                Some(tune_eagle(target, head, d2t, max, prompts, WARM_UP_TOKENS)?)
+                Some(tune_eagle(
+                    target,
+                    head,
+                    d2t,
+                    max,
+                    lookup.as_ref(),
+                    prompts,
+                    WARM_UP_TOKENS,
+                )?)
             }
             Some(DraftHead::Medusa(heads)) => Some(tune_medusa(
                 target,
                 heads,
                 d2t,
                 AUTO_MAX_TREE_TOKENS,
+                lookup.as_ref(),
                 prompts,
                 WARM_UP_TOKENS,
             )?),

@@ -15,7 +15,7 @@ pub(crate) use eagle::tests::tiny_frozen_head;
 pub use eagle::{best_subtree, Candidate, DraftRecord, EagleDrafter, EagleTreeShape};
 pub use lookup::LookupDrafter;
 pub use medusa::{GuessRecord, MedusaDrafter, RECORDED_RANKS};
-pub use with_lookup::WithLookup;
+pub use with_lookup::{lookup_alone, WithLookup};
 
 use headway_model::Sampler;
 use tch::Tensor;

@@ -27,18 +27,22 @@ impl<'a> WithLookup<'a> {
 /// cost more than they add.
 const LOOKUP_ALONE_FROM: usize = 2;
 
+/// The step's tree when lookup's `chain` is long enough to be verified alone (the model then only
+/// keeps its state); `None` when it is grafted onto the model's tree instead.
+pub fn lookup_alone(chain: &[u32]) -> Option<DraftTree> {
+    (chain.len() >= LOOKUP_ALONE_FROM)
+        .then(|| DraftTree::chain(chain, std::iter::repeat(Proposal::Deterministic)))
+}
+
 impl Drafter for WithLookup<'_> {
     /// The model's tree with the lookup chain added as a deterministic path; a prefix of the
     /// chain that the model drafted too is shared (see [`DraftTree::graft_chain`]), so lossless
     /// acceptance still sees each candidate once per parent among the deterministic ones.
     fn draft(&mut self, verified: &Verified, sampler: &mut Sampler) -> Result<DraftTree> {
         let chain = self.lookup.propose(verified.context);
-        if chain.len() >= LOOKUP_ALONE_FROM {
+        if let Some(tree) = lookup_alone(&chain) {
             self.model.skip(verified)?;
-            return Ok(DraftTree::chain(
-                &chain,
-                std::iter::repeat(Proposal::Deterministic),
-            ));
+            return Ok(tree);
         }
         let mut tree = self.model.draft(verified, sampler)?;
         tree.graft_chain(&chain);
