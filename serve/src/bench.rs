@@ -62,6 +62,24 @@ pub fn spread(questions: &[Question], count: usize) -> Vec<Question> {
         .collect()
 }
 
+/// The questions `--tree-tokens auto` warms up on: the first of each Spec-Bench category, in file
+/// order, so that the tuner's prediction weighs prompts that repeat their context (translation,
+/// rag) beside those that do not (the file opens with ten MT-bench writing questions).
+pub fn tuning_questions(questions: &[Question]) -> Vec<&Question> {
+    let mut seen = Vec::new();
+    questions
+        .iter()
+        .filter(|q| {
+            let category = spec_bench_category(&q.category);
+            let first = !seen.contains(&category);
+            if first {
+                seen.push(category);
+            }
+            first
+        })
+        .collect()
+}
+
 /// Figures for one prompt (one turn of one question).
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct PromptResult {
@@ -502,6 +520,28 @@ mod tests {
         ] {
             assert_eq!(spec_bench_category(own), own);
         }
+    }
+
+    #[test]
+    fn tuning_takes_the_first_question_of_each_spec_bench_category() {
+        let question = |question_id, category: &str| Question {
+            question_id,
+            category: category.into(),
+            turns: vec![String::new()],
+        };
+        let questions = [
+            question(1, "writing"),
+            question(2, "writing"),
+            question(3, "coding"),
+            question(4, "translation"),
+            question(5, "rag"),
+            question(6, "translation"),
+        ];
+        let ids: Vec<u64> = tuning_questions(&questions)
+            .iter()
+            .map(|q| q.question_id)
+            .collect();
+        assert_eq!(ids, [1, 4, 5]);
     }
 
     #[test]

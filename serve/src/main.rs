@@ -1,5 +1,5 @@
-//! `headway-serve`: run a target model — plain generation now, speculative decoding and serving
-//! as the heads arrive.
+//! `headway-serve`: run a target model — plain or speculative generation, Spec-Bench benchmarks
+//! and their comparison, the OpenAI-compatible HTTP server and its load test.
 
 use std::io::Write;
 use std::path::PathBuf;
@@ -9,8 +9,8 @@ use anyhow::Context;
 use clap::{Parser, Subcommand};
 use headway_model::{Message, Sampler, SamplingArgs, TargetArgs};
 use headway_serve::bench::{
-    differing_prompts, load_questions, markdown, report, run_question, spread, warm_up,
-    BenchOptions, BenchReport, MethodRun, PromptResult,
+    differing_prompts, load_questions, markdown, report, run_question, spread, tuning_questions,
+    warm_up, BenchOptions, BenchReport, MethodRun, PromptResult,
 };
 use headway_serve::drafters::NoDrafter;
 use headway_serve::engine::generate_speculative;
@@ -200,9 +200,8 @@ fn run_bench(args: BenchArgs) -> anyhow::Result<()> {
     };
     let target = args.target.load()?;
     let mut resources = DraftResources::load(&args.draft, &target)?;
-    let tuning_prompts: Vec<Vec<u32>> = questions
-        .iter()
-        .take(2)
+    let tuning_prompts: Vec<Vec<u32>> = tuning_questions(&questions)
+        .into_iter()
         .map(|q| target.chat_prompt_ids(&[Message::new("user", &q.turns[0])]))
         .collect::<Result<_, _>>()?;
     resources.tune(&args.draft, &target, &tuning_prompts)?;

@@ -29,7 +29,7 @@ const LOOKUP_ALONE_FROM: usize = 2;
 
 /// The step's tree when lookup's `chain` is long enough to be verified alone (the model then only
 /// keeps its state); `None` when it is grafted onto the model's tree instead.
-pub fn lookup_alone(chain: &[u32]) -> Option<DraftTree> {
+pub(crate) fn lookup_alone(chain: &[u32]) -> Option<DraftTree> {
     (chain.len() >= LOOKUP_ALONE_FROM)
         .then(|| DraftTree::chain(chain, std::iter::repeat(Proposal::Deterministic)))
 }
