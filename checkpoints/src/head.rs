@@ -38,9 +38,15 @@ pub fn load_head(path: &Path, target: &Target) -> Result<LoadedHead> {
         HeadKind::Medusa(config) => {
             DraftHead::Medusa(MedusaHeads::new(config.clone(), &lm_head).map_err(build)?)
         }
-        HeadKind::Eagle { layers, taps } => DraftHead::Eagle(
+        HeadKind::Eagle {
+            layers,
+            taps,
+            embed_scale,
+        } => DraftHead::Eagle(
             EagleHead::new(
-                EagleConfig::for_target(target.model.config(), *layers).with_taps(taps.clone()),
+                EagleConfig::for_target(target.model.config(), *layers)
+                    .with_taps(taps.clone())
+                    .with_embed_scale(*embed_scale),
                 target.model.model.embed_tokens(),
                 &lm_head,
             )

@@ -74,11 +74,23 @@ pub enum HeadKind {
         /// Target layers whose residual stream the head fuses into its input (none: EAGLE-1).
         #[serde(default, skip_serializing_if = "Vec::is_empty")]
         taps: Vec<usize>,
+        /// Factor on the token embedding before `fc` (EAGLE-1, and checkpoints from before the
+        /// option: 1).
+        #[serde(default = "unit_scale", skip_serializing_if = "is_unit_scale")]
+        embed_scale: f64,
     },
 }
 
 fn one_layer() -> usize {
     1
+}
+
+fn unit_scale() -> f64 {
+    1.0
+}
+
+fn is_unit_scale(scale: &f64) -> bool {
+    *scale == 1.0
 }
 
 impl HeadKind {
@@ -283,6 +295,7 @@ mod tests {
             head: HeadKind::Eagle {
                 layers: 2,
                 taps: vec![2, 15],
+                embed_scale: 1.0,
             },
             target: TargetRef {
                 fingerprint: "sha256:abc".into(),
@@ -329,25 +342,31 @@ mod tests {
     }
 
     #[test]
-    fn eagle_heads_saved_before_the_layers_and_taps_options_read_as_one_untapped_layer() {
+    fn eagle_heads_saved_before_the_layers_taps_and_scale_options_read_as_eagle_1() {
         let old: HeadKind = serde_json::from_str(r#"{"kind": "eagle"}"#).unwrap();
         let one = HeadKind::Eagle {
             layers: 1,
             taps: vec![],
+            embed_scale: 1.0,
         };
         assert_eq!(old, one);
         let two = HeadKind::Eagle {
             layers: 2,
             taps: vec![],
+            embed_scale: 1.0,
         };
         let text = serde_json::to_string(&two).unwrap();
         assert_eq!(text, r#"{"kind":"eagle","layers":2}"#);
         let tapped = HeadKind::Eagle {
             layers: 1,
             taps: vec![2, 15],
+            embed_scale: 13.5,
         };
         let text = serde_json::to_string(&tapped).unwrap();
-        assert_eq!(text, r#"{"kind":"eagle","layers":1,"taps":[2,15]}"#);
+        assert_eq!(
+            text,
+            r#"{"kind":"eagle","layers":1,"taps":[2,15],"embed_scale":13.5}"#
+        );
         assert_eq!(serde_json::from_str::<HeadKind>(&text).unwrap(), tapped);
     }
 

@@ -13,6 +13,13 @@
 //! RMS-normalised residual streams of chosen target layers projected by a zero-initialised
 //! matrix. A fresh tapped head is thus exactly EAGLE-1, and the positions where drafting feeds the
 //! head its own predictions `f̂` (no taps exist there) get the same kind of input as before.
+//!
+//! Embedding scale: a target's embeddings are often far smaller than its post-norm features
+//! (SmolLM2-135M: RMS 0.14 against 1.9), so `fc` starts out reading the token — the one thing the
+//! head knows that the feature does not — at a fraction of the feature's weight, and Adam's
+//! steps, the same size for every weight, take long to grow those columns. The head multiplies
+//! the embedding by `embed_scale` before `fc` (1 in EAGLE-1); folded into `fc`'s embedding
+//! columns on export ([`fold_embed_scale`]), the head is an ordinary EAGLE-1 head.
 
 use headway_model::linear::Linear;
 use headway_model::{DecoderLayer, KvCache, ModelConfig, Rotary};
@@ -37,6 +44,8 @@ pub struct EagleConfig {
     /// Target layers `k` whose residual stream (hidden state after `k` decoder layers) the head
     /// fuses into its input; empty for EAGLE-1.
     pub taps: Vec<usize>,
+    /// Factor on the token embedding before `fc` (EAGLE-1: 1).
+    pub embed_scale: f64,
 }
 
 impl EagleConfig {
@@ -47,12 +56,21 @@ impl EagleConfig {
         Self {
             layer,
             taps: Vec::new(),
+            embed_scale: 1.0,
         }
     }
 
     /// The same head reading the target's residual stream after each of `taps` layers.
     pub fn with_taps(self, taps: Vec<usize>) -> Self {
         Self { taps, ..self }
+    }
+
+    /// The same head with its token embedding multiplied by `embed_scale` before `fc`.
+    pub fn with_embed_scale(self, embed_scale: f64) -> Self {
+        Self {
+            embed_scale,
+            ..self
+        }
     }
 
     /// Number of decoder layers.
@@ -213,6 +231,12 @@ impl EagleModules<'_> {
             false,
             false,
         );
+        let scale = self.head.config.embed_scale;
+        let embedded = if scale == 1.0 {
+            embedded
+        } else {
+            embedded * scale
+        };
         let x = self
             .fc
             .forward(&Tensor::cat(&[embedded, features.to_kind(Kind::Float)], -1));
@@ -235,6 +259,33 @@ impl EagleModules<'_> {
     pub fn lm_head_weight(&self) -> &Tensor {
         self.lm_head.weight()
     }
+}
+
+/// The embedding scale that brings a target's token embeddings (`embed`, `[vocab, hidden]`) to
+/// the RMS of its post-norm features, estimated by the RMS of its final norm's weight.
+pub fn balanced_embed_scale(embed: &Tensor, final_norm_weight: &Tensor) -> f64 {
+    let rms = |t: &Tensor| {
+        t.to_kind(Kind::Float)
+            .square()
+            .mean(Kind::Float)
+            .sqrt()
+            .double_value(&[])
+    };
+    rms(final_norm_weight) / rms(embed)
+}
+
+/// `fc.weight` `[hidden, 2·hidden]` of a head with `embed_scale`, rewritten for a head without
+/// one: its embedding columns (the first `hidden`, as `fc` reads `concat(embed, feature)`)
+/// multiplied by the scale.
+pub fn fold_embed_scale(fc_weight: &Tensor, embed_scale: f64) -> Tensor {
+    let hidden = fc_weight.size()[0];
+    Tensor::cat(
+        &[
+            fc_weight.narrow(1, 0, hidden) * embed_scale,
+            fc_weight.narrow(1, hidden, hidden),
+        ],
+        1,
+    )
 }
 
 /// `x / rms(x)` over the last dimension: residual streams grow with depth, so taps of different
@@ -377,6 +428,39 @@ mod tests {
         assert!(two.params.get("layers.1.input_layernorm.weight").is_ok());
         assert!(two.params.get("layers.1.mlp.down_proj.weight").is_ok());
         assert!(two.params.get("layers.2.mlp.down_proj.weight").is_err());
+    }
+
+    #[test]
+    fn a_scaled_embedding_folded_into_fc_gives_the_same_head() {
+        let _guard = tch::no_grad_guard();
+        let plain = head(1);
+        let h = plain.config.layer.hidden_size as i64;
+        let mut scaled = head(1);
+        scaled.config = scaled.config.clone().with_embed_scale(8.0);
+        let features = Tensor::randn([1, 5, h], (Kind::Float, Device::Cpu));
+        let ids = Tensor::randint(50, [1, 5], (Kind::Int64, Device::Cpu));
+        let predict = |head: &EagleHead| {
+            head.modules()
+                .unwrap()
+                .forward(&features, &ids, &positions(0, 5, Device::Cpu), None, None)
+                .unwrap()
+        };
+        // Same weights: the scale changes what the head computes.
+        assert!(
+            (predict(&scaled) - predict(&plain))
+                .abs()
+                .max()
+                .double_value(&[])
+                > 1e-3
+        );
+        let mut folded = head(1);
+        let fc = fold_embed_scale(scaled.params.get("fc.weight").unwrap(), 8.0);
+        folded.params.insert("fc.weight", &fc);
+        // A power of two scales exactly, so folding it into fc changes no bit.
+        assert!(predict(&folded).equal(&predict(&scaled)));
+        let embed = Tensor::full([4, 3], 0.5, (Kind::Float, Device::Cpu));
+        let norm = Tensor::full([3], 2.0, (Kind::Float, Device::Cpu));
+        assert_eq!(balanced_embed_scale(&embed, &norm), 4.0);
     }
 
     #[test]

@@ -412,6 +412,11 @@ impl Llama {
         &self.embed_tokens
     }
 
+    /// The final norm's weight `[hidden]`: the scale of the features the LM head reads.
+    pub fn final_norm_weight(&self) -> &Tensor {
+        &self.norm.weight
+    }
+
     /// Runs the trunk over `input.input_ids`. With a cache, attention covers the cached prefix plus
     /// the new tokens, whose keys and values are appended to it; without one, only the new tokens.
     /// Errors (never panics) on inputs of the wrong shape, out-of-range taps or a full cache.

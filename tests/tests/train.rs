@@ -205,19 +205,35 @@ fn bf16_training_keeps_f32_weights_and_computes_differently_from_f32() {
 }
 
 #[test]
-fn export_then_import_gives_back_the_same_weights() {
+fn export_then_import_gives_back_the_same_head() {
     let dir = tempfile::tempdir().unwrap();
     let root = dir.path();
     features(root);
     let target = root.join("target");
-    for (head, extra) in [
-        ("eagle", &["--draft-vocab", "100", "--layers", "2"][..]),
-        ("medusa", &["--heads", "2"][..]),
+    // (run name, head, options, whether the weights come back bit for bit): a scaled embedding
+    // is folded into fc on export, so that head comes back with other weights that compute the
+    // same (a power-of-two scale folds exactly: `eval` prints the same figures).
+    for (name, head, extra, same_bytes) in [
+        (
+            "eagle",
+            "eagle",
+            &[
+                "--draft-vocab",
+                "100",
+                "--layers",
+                "2",
+                "--embed-scale",
+                "1",
+            ][..],
+            true,
+        ),
+        ("eagle-scaled", "eagle", &["--embed-scale", "4"][..], false),
+        ("medusa", "medusa", &["--heads", "2"][..], true),
     ] {
-        let trained = root.join(format!("{head}-run"));
+        let trained = root.join(format!("{name}-run"));
         let args = train_args(head, root, trained.to_str().unwrap(), extra);
         assert!(headway_train(&as_strs(&args), None).status.success());
-        let exported = root.join(format!("{head}-exported"));
+        let exported = root.join(format!("{name}-exported"));
         let out = run(
             "headway-train",
             &[
@@ -239,7 +255,7 @@ fn export_then_import_gives_back_the_same_weights() {
             "medusa_lm_head.safetensors"
         };
         assert!(exported.join(expected_file).exists() && exported.join("config.json").exists());
-        let imported = root.join(format!("{head}-imported"));
+        let imported = root.join(format!("{name}-imported"));
         let out = run(
             "headway-train",
             &[
@@ -257,23 +273,38 @@ fn export_then_import_gives_back_the_same_weights() {
         assert!(out.status.success(), "{}", stderr(&out));
         let original = std::fs::read(trained.join("step-00000006/model.safetensors")).unwrap();
         let back = std::fs::read(imported.join("step-00000000/model.safetensors")).unwrap();
-        assert!(
+        assert_eq!(
             original == back,
-            "{head}: weights changed in the round trip"
+            same_bytes,
+            "{name}: weights after the round trip"
         );
+        let figures = |heads: &Path| {
+            let eval = eval_heads(heads, root);
+            assert!(eval.status.success(), "{}", stderr(&eval));
+            // The first line names the checkpoint and its step.
+            stdout(&eval).lines().skip(1).collect::<Vec<_>>().join("\n")
+        };
+        assert_eq!(figures(&trained), figures(&imported), "{name}: eval");
         let config = std::fs::read_to_string(imported.join("step-00000000/config.json")).unwrap();
         let original_config =
             std::fs::read_to_string(trained.join("step-00000006/config.json")).unwrap();
         let field = |text: &str, name: &str| {
             serde_json::from_str::<serde_json::Value>(text).unwrap()[name].clone()
         };
-        for name in ["draft_vocab", "head"] {
-            assert_eq!(
-                field(&config, name),
-                field(&original_config, name),
-                "{head}: {name} changed"
-            );
+        assert_eq!(
+            field(&config, "draft_vocab"),
+            field(&original_config, "draft_vocab"),
+            "{name}: draft vocabulary changed"
+        );
+        let mut original_head = field(&original_config, "head");
+        if let Some(kind) = original_head.as_object_mut() {
+            assert_eq!(kind.remove("embed_scale").is_some(), !same_bytes, "{name}");
         }
+        assert_eq!(
+            field(&config, "head"),
+            original_head,
+            "{name}: head changed"
+        );
     }
     let wrong = run(
         "headway-train",

@@ -8,6 +8,7 @@ use headway_checkpoints::{
     load_head, CheckpointConfig, DraftHead, HeadKind, LoadedHead, TargetRef, CHECKPOINT_FORMAT,
 };
 use headway_datasets::features::{FeatureSet, ShardSplit};
+use headway_heads::eagle::balanced_embed_scale;
 use headway_heads::{DraftVocab, EagleConfig, EagleHead, MedusaConfig, MedusaHeads};
 use headway_model::fingerprint::target_fingerprint;
 use headway_model::linear::{set_cpu_workload, CpuWorkload};
@@ -122,6 +123,30 @@ pub struct EagleArgs {
     /// Serving then asks the target for them too. Default: none (EAGLE-1).
     #[arg(long, value_delimiter = ',')]
     taps: Vec<usize>,
+    /// Factor on the token embedding before the head's `fc`, or `auto`: the target's feature RMS
+    /// over its embedding RMS, so that the token and the feature start on one scale (1 =
+    /// EAGLE-1; `export` folds the factor into `fc`).
+    #[arg(long, default_value = "auto", value_parser = parse_embed_scale)]
+    embed_scale: EmbedScale,
+}
+
+/// `--embed-scale`.
+#[derive(Debug, Clone, Copy)]
+enum EmbedScale {
+    Auto,
+    Factor(f64),
+}
+
+fn parse_embed_scale(text: &str) -> Result<EmbedScale, String> {
+    if text == "auto" {
+        return Ok(EmbedScale::Auto);
+    }
+    match text.parse::<f64>() {
+        Ok(factor) if factor.is_finite() && factor > 0.0 => Ok(EmbedScale::Factor(factor)),
+        _ => Err(format!(
+            "expected `auto` or a positive number, got {text:?}"
+        )),
+    }
 }
 
 #[derive(clap::Args)]
@@ -355,9 +380,17 @@ pub fn run_eagle(args: EagleArgs) -> anyhow::Result<()> {
     let draft = draft_vocab(&setup, args.common.draft_vocab)?;
     tch::manual_seed(args.common.seed as i64);
     let layers = usize::from(args.layers);
+    let trunk = &setup.target.model.model;
+    let embed_scale = match args.embed_scale {
+        EmbedScale::Auto => balanced_embed_scale(trunk.embed_tokens(), trunk.final_norm_weight()),
+        EmbedScale::Factor(factor) => factor,
+    };
+    eprintln!("embedding scale before fc: {embed_scale:.3}");
     let head = EagleHead::new(
-        EagleConfig::for_target(setup.target.model.config(), layers).with_taps(args.taps.clone()),
-        setup.target.model.model.embed_tokens(),
+        EagleConfig::for_target(setup.target.model.config(), layers)
+            .with_taps(args.taps.clone())
+            .with_embed_scale(embed_scale),
+        trunk.embed_tokens(),
         &lm_head_rows(&setup.target, draft.as_ref()),
     )?;
     let mut objective = EagleObjective::new(
@@ -373,6 +406,7 @@ pub fn run_eagle(args: EagleArgs) -> anyhow::Result<()> {
         HeadKind::Eagle {
             layers,
             taps: args.taps,
+            embed_scale,
         },
         draft.as_ref(),
     )

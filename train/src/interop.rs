@@ -7,13 +7,15 @@
 //! - EAGLE (EAGLE repository, vLLM, SGLang): `config.json`, the target's Llama config with one
 //!   layer, and `model.safetensors` with `fc.*` and `layers.0.*`; a draft vocabulary adds
 //!   EAGLE-3's `d2t` (draft index → target id offset, `target = i + d2t[i]`) and `t2d` (bool mask
-//!   over the target vocabulary) with `draft_vocab_size` in the config.
+//!   over the target vocabulary) with `draft_vocab_size` in the config. A head's embedding scale
+//!   is folded into `fc.weight`'s embedding columns, so the exported head computes the same.
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
 use anyhow::Context;
 use headway_checkpoints::{CheckpointConfig, HeadKind, TargetRef, CHECKPOINT_FORMAT};
+use headway_heads::eagle::fold_embed_scale;
 use headway_heads::{EagleConfig, MedusaConfig};
 use headway_model::fingerprint::target_fingerprint;
 use headway_model::safetensors_io::{from_safetensors_bytes, to_safetensors_bytes};
@@ -127,7 +129,20 @@ pub fn run_export(args: ExportArgs) -> anyhow::Result<()> {
             "{} fuses the target's taps {taps:?} into its input, which the EAGLE repository's layout has no place for; only untapped heads export",
             checkpoint.dir.display()
         ),
-        (HeadKind::Eagle { layers, .. }, Format::Eagle) => {
+        (
+            HeadKind::Eagle {
+                layers,
+                embed_scale,
+                ..
+            },
+            Format::Eagle,
+        ) => {
+            // The EAGLE layout has no embedding scale: it goes into fc's embedding columns.
+            for (name, tensor) in tensors.iter_mut() {
+                if name == "fc.weight" {
+                    *tensor = fold_embed_scale(tensor, *embed_scale);
+                }
+            }
             let text = std::fs::read_to_string(target.join("config.json"))?;
             let mut config: serde_json::Value = serde_json::from_str(&text)?;
             config["num_hidden_layers"] = (*layers).into();
@@ -270,6 +285,7 @@ pub fn run_import(args: ImportArgs) -> anyhow::Result<()> {
             let head = HeadKind::Eagle {
                 layers,
                 taps: vec![],
+                embed_scale: 1.0,
             };
             (head, weights, draft_vocab)
         }
