@@ -6,9 +6,10 @@ Reads a Headway feature directory, rebuilds the trainer's first-epoch batch stre
 and sequence shuffles from the seed with the same SplitMix64 arithmetic, the same greedy
 padded-token packing), and runs `--steps` optimizer updates of:
 
-- EAGLE: fc(concat(embed(t[i+1]), f[i])) -> one transformers LlamaDecoderLayer without its input
+- EAGLE: fc(concat(s * embed(t[i+1]), f[i])) -> one transformers LlamaDecoderLayer without its input
   norm -> f_hat; loss SmoothL1(f_hat, f) + 0.1 * soft-CE against the frozen LM head; uniform
-  feature noise +-0.1;
+  feature noise +-0.1; s is `--embed-scale` (auto, as headway-train's default: the RMS of the
+  target's final norm weight over that of its embedding);
 - Medusa: K heads of ResBlocks x + SiLU(Wx + b) with their own LM-head copies; loss
   sum_k 0.8^k CE_k on assistant tokens k + 2 ahead.
 
@@ -90,9 +91,10 @@ def batches(features: Path, manifest: dict, seed: int, batch_tokens: int):
 
 
 class Eagle(torch.nn.Module):
-    def __init__(self, config, embed, lm_head):
+    def __init__(self, config, embed, lm_head, embed_scale):
         super().__init__()
         h = config.hidden_size
+        self.embed_scale = embed_scale
         layer_config = AutoConfig.for_model(**{**config.to_dict(), "num_hidden_layers": 1})
         layer_config._attn_implementation = "sdpa"
         self.fc = torch.nn.Linear(2 * h, h)
@@ -105,7 +107,7 @@ class Eagle(torch.nn.Module):
     def loss(self, ids, mask, hidden):
         b, t = ids.shape
         inputs = hidden[:, :-1] + (torch.rand_like(hidden[:, :-1]) * 0.2 - 0.1)
-        x = self.fc(torch.cat([self.embed[ids[:, 1:]], inputs], -1))
+        x = self.fc(torch.cat([self.embed[ids[:, 1:]] * self.embed_scale, inputs], -1))
         positions = torch.arange(t - 1).expand(b, t - 1)
         out = self.layer(x, attention_mask=None, position_ids=positions, position_embeddings=self.rotary(x, positions))
         predicted = out[0] if isinstance(out, tuple) else out
@@ -158,6 +160,7 @@ def main() -> None:
     parser.add_argument("--medusa-heads", type=int, default=4)
     parser.add_argument("--draft-vocab", type=int, default=None, help="Medusa: N most frequent assistant tokens")
     parser.add_argument("--headway-json", type=Path, default=None)
+    parser.add_argument("--embed-scale", default="auto", help="EAGLE: factor on the embedding before fc, or auto")
     args = parser.parse_args()
 
     torch.set_num_threads(args.threads)
@@ -167,7 +170,13 @@ def main() -> None:
     model = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32)
     lm_head = model.lm_head.weight.detach().clone()
     if args.head == "eagle":
-        head = Eagle(model.config, model.model.embed_tokens.weight.detach().clone(), lm_head)
+        embed = model.model.embed_tokens.weight.detach().clone()
+        if args.embed_scale == "auto":
+            rms = lambda t: t.float().square().mean().sqrt().item()
+            embed_scale = rms(model.model.norm.weight) / rms(embed)
+        else:
+            embed_scale = float(args.embed_scale)
+        head = Eagle(model.config, embed, lm_head, embed_scale)
     else:
         vocab = lm_head.shape[0]
         d2t = torch.arange(vocab)
