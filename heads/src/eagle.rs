@@ -100,6 +100,12 @@ impl EagleHead {
                 "an EAGLE head needs at least one decoder layer".into(),
             ));
         }
+        if !(config.embed_scale.is_finite() && config.embed_scale > 0.0) {
+            return Err(HeadError::Invalid(format!(
+                "the EAGLE head's embedding scale must be a positive number, got {}",
+                config.embed_scale
+            )));
+        }
         if embed.size() != [c.vocab_size as i64, h] || lm_head.size().get(1) != Some(&h) {
             return Err(HeadError::Invalid(format!(
                 "the EAGLE head for hidden size {h} needs an embedding [{}, {h}] and an LM head [_, {h}], got {:?} and {:?}",
@@ -231,12 +237,7 @@ impl EagleModules<'_> {
             false,
             false,
         );
-        let scale = self.head.config.embed_scale;
-        let embedded = if scale == 1.0 {
-            embedded
-        } else {
-            embedded * scale
-        };
+        let embedded = embedded * self.head.config.embed_scale;
         let x = self
             .fc
             .forward(&Tensor::cat(&[embedded, features.to_kind(Kind::Float)], -1));
@@ -464,7 +465,7 @@ mod tests {
     }
 
     #[test]
-    fn a_head_without_layers_is_refused() {
+    fn a_head_without_layers_or_with_a_bad_embedding_scale_is_refused() {
         let config = tiny_config();
         let embed = Tensor::zeros(
             [config.vocab_size as i64, config.hidden_size as i64],
@@ -474,6 +475,11 @@ mod tests {
             .err()
             .unwrap();
         assert!(error.to_string().contains("at least one decoder layer"));
+        for bad in [0.0, -2.0, f64::NAN] {
+            let config = EagleConfig::for_target(&config, 1).with_embed_scale(bad);
+            let error = EagleHead::new(config, &embed, &embed).err().unwrap();
+            assert!(error.to_string().contains("embedding scale"), "{error}");
+        }
     }
 
     fn every_parameter_learns(head: &EagleHead) {
