@@ -31,6 +31,9 @@ demo: model data build
 test: model openai-client
 	cargo fmt --all -- --check
 	cargo clippy --release --workspace --all-targets -- -D warnings
+	# The end-to-end tests run the binaries; cargo test builds only those of packages with
+	# integration tests of their own, so build them all first (a stale one would be tested).
+	cargo build --release --workspace --bins
 	cargo test --release --workspace
 
 build: venv
@@ -65,8 +68,10 @@ $(VENV)/.openai: | venv
 	touch $@
 
 # Only for the reference scripts (fixtures, transformers baselines); the Rust build never needs it.
+# transformers loads a GGUF only with accelerate installed ("accelerate is required when loading a
+# GGUF file"), and installs without it.
 ref-env: venv
-	$(PYTHON) -m pip install --quiet transformers==5.* gguf numpy
+	$(PYTHON) -m pip install --quiet transformers==5.* gguf numpy accelerate
 
 fixtures: ref-env
 	$(PYTHON) scripts/make_fixtures.py --questions $(QUESTIONS)

@@ -14,6 +14,16 @@ pub enum DraftHead {
     Eagle(EagleHead),
 }
 
+impl DraftHead {
+    /// `medusa` or `eagle`.
+    pub fn name(&self) -> &'static str {
+        match self {
+            Self::Medusa(_) => "medusa",
+            Self::Eagle(_) => "eagle",
+        }
+    }
+}
+
 /// A head read back from disk, ready to run on the target it was trained on.
 pub struct LoadedHead {
     pub head: DraftHead,

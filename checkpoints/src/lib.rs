@@ -64,7 +64,7 @@ fn invalid(path: &Path, message: impl Into<String>) -> CheckpointError {
 
 /// Which head a checkpoint holds.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-#[serde(tag = "kind", rename_all = "lowercase")]
+#[serde(tag = "kind", rename_all = "lowercase", deny_unknown_fields)]
 pub enum HeadKind {
     Medusa(MedusaConfig),
     Eagle {
@@ -104,6 +104,7 @@ impl HeadKind {
 
 /// The target a head was trained on.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
 pub struct TargetRef {
     pub fingerprint: String,
     pub dir: String,
@@ -111,8 +112,10 @@ pub struct TargetRef {
     pub vocab_size: usize,
 }
 
-/// `config.json` of a checkpoint.
+/// `config.json` of a checkpoint. Unknown keys are refused: a checkpoint from a newer format
+/// must not be read as if it were this one.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
 pub struct CheckpointConfig {
     pub format: String,
     pub head: HeadKind,
@@ -222,21 +225,21 @@ pub fn load(path: &Path) -> Result<Checkpoint> {
     let config_path = dir.join(CONFIG_FILE);
     let text =
         std::fs::read_to_string(&config_path).map_err(|e| ModelError::io(&config_path, e))?;
+    let format = serde_json::from_str::<serde_json::Value>(&text)
+        .ok()
+        .and_then(|v| v.get("format").and_then(|f| f.as_str()).map(str::to_string));
+    if let Some(format) = format.filter(|f| f != CHECKPOINT_FORMAT) {
+        return Err(invalid(
+            &dir,
+            format!("format {format:?}, this Headway reads {CHECKPOINT_FORMAT:?}"),
+        ));
+    }
     let config: CheckpointConfig = serde_json::from_str(&text).map_err(|e| {
         invalid(
             &dir,
             format!("{CONFIG_FILE} is not a head checkpoint config: {e}"),
         )
     })?;
-    if config.format != CHECKPOINT_FORMAT {
-        return Err(invalid(
-            &dir,
-            format!(
-                "format {:?}, this Headway reads {CHECKPOINT_FORMAT:?}",
-                config.format
-            ),
-        ));
-    }
     let weights_path = dir.join(WEIGHTS_FILE);
     let bytes = std::fs::read(&weights_path).map_err(|e| ModelError::io(&weights_path, e))?;
     let sha256 = bytes_sha256(&bytes);
@@ -387,5 +390,48 @@ mod tests {
         );
         let err = load(&dir.path().join("nothing")).err().unwrap().to_string();
         assert!(err.contains("not a checkpoint"), "{err}");
+    }
+
+    /// A config written by a newer format is refused by name, not half read.
+    #[test]
+    fn unknown_keys_and_other_formats_are_refused() {
+        let dir = tempfile::tempdir().unwrap();
+        let w = Tensor::randn([8], (Kind::Float, Device::Cpu));
+        let path = save(dir.path(), &config(1), &[("w".into(), w)], None).unwrap();
+        let config_path = path.join(CONFIG_FILE);
+        let original: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(&config_path).unwrap()).unwrap();
+        let with = |edit: &dyn Fn(&mut serde_json::Value)| {
+            let mut value = original.clone();
+            edit(&mut value);
+            std::fs::write(&config_path, value.to_string()).unwrap();
+            load(dir.path()).err().map(|e| e.to_string())
+        };
+        let err = with(&|v| v["draft_depth"] = 3.into()).unwrap();
+        assert!(err.contains("unknown field `draft_depth`"), "{err}");
+        let err = with(&|v| v["head"]["rope"] = "new".into()).unwrap();
+        assert!(err.contains("unknown field `rope`"), "{err}");
+        let err = with(&|v| v["target"]["dtype"] = "bf16".into()).unwrap();
+        assert!(err.contains("unknown field `dtype`"), "{err}");
+        let err = with(&|v| v["format"] = "headway-head/2".into()).unwrap();
+        assert!(
+            err.contains("\"headway-head/2\", this Headway reads"),
+            "{err}"
+        );
+        let medusa = HeadKind::Medusa(MedusaConfig {
+            num_heads: 2,
+            num_layers: 1,
+            hidden_size: 4,
+            vocab_size: 10,
+            shared_lm_head: false,
+        });
+        let mut text = serde_json::to_value(&medusa).unwrap();
+        assert!(serde_json::from_value::<HeadKind>(text.clone()).is_ok());
+        text["decay"] = 0.5.into();
+        let err = serde_json::from_value::<HeadKind>(text)
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("unknown field `decay`"), "{err}");
+        assert!(with(&|_| {}).is_none());
     }
 }

@@ -2,7 +2,7 @@
 
 use std::collections::HashSet;
 
-use crate::split::{fnv1a64, mix64};
+use headway_model::hash::{fnv1a64, mix64};
 
 /// Who speaks a turn. Corpora use many names for these; [`Role::from_corpus_name`] maps them.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]

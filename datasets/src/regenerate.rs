@@ -23,7 +23,7 @@ use serde::{Deserialize, Serialize};
 use crate::conversation::{Conversation, Role, Turn};
 use crate::error::{DatasetError, Result};
 use crate::features::manifest::RegenerateSettings;
-use crate::split::{fnv1a64, mix64};
+use headway_model::hash::{fnv1a64, mix64};
 
 #[derive(Serialize, Deserialize)]
 struct JournalLine {
@@ -353,14 +353,10 @@ fn regenerate_chunk(
 
 /// Sampling for `conversation`, seeded from the run's seed and the conversation itself.
 fn sampling(settings: &RegenerateSettings, conversation: &Conversation) -> SamplingParams {
-    SamplingParams {
-        temperature: settings.temperature,
-        top_k: settings.top_k,
-        top_p: settings.top_p,
-        seed: mix64(
-            settings.seed ^ fnv1a64(conversation.id.as_bytes()) ^ conversation.content_hash(),
-        ),
-    }
+    let run = settings.sampling;
+    run.with_seed(mix64(
+        run.seed() ^ fnv1a64(conversation.id.as_bytes()) ^ conversation.content_hash(),
+    ))
 }
 
 #[cfg(test)]

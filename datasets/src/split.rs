@@ -2,32 +2,16 @@
 //!
 //! A conversation's side depends only on its own key — the id, or the turns' content when the id
 //! is empty — so it never moves when the corpus grows, is reordered or is read on another machine.
-//! The hash is FNV-1a 64 (offset basis `0xcbf29ce484222325`, prime `0x100000001b3`) finished with
-//! the SplitMix64 mixer, written out here so that it cannot change under us (std's
-//! `DefaultHasher` makes no such promise across releases). FNV-1a alone leaves the high bits
-//! of short, similar ids (`q_1`, `q_2`, …) correlated; the mixer spreads every input bit over the
+//! The hash is FNV-1a 64 finished with the SplitMix64 mixer
+//! ([`headway_model::hash`]): FNV-1a alone leaves the high bits of
+//! short, similar ids (`q_1`, `q_2`, …) correlated; the mixer spreads every input bit over the
 //! whole word. The top 53 bits, read as a fraction `u` in [0, 1), put a conversation in the
 //! held-out set when `u < held_out_fraction`.
 
+use headway_model::hash::{fnv1a64, mix64};
+
 use crate::conversation::Conversation;
 use crate::error::{DatasetError, Result};
-
-/// FNV-1a, 64 bits.
-pub fn fnv1a64(bytes: &[u8]) -> u64 {
-    const OFFSET_BASIS: u64 = 0xcbf2_9ce4_8422_2325;
-    const PRIME: u64 = 0x0000_0100_0000_01b3;
-    bytes.iter().fold(OFFSET_BASIS, |hash, &b| {
-        (hash ^ u64::from(b)).wrapping_mul(PRIME)
-    })
-}
-
-/// The SplitMix64 finaliser: a bijection on `u64` in which every input bit affects every output
-/// bit.
-pub fn mix64(mut x: u64) -> u64 {
-    x = (x ^ (x >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-    x = (x ^ (x >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-    x ^ (x >> 31)
-}
 
 /// Which side of the split a conversation is on.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

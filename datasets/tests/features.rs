@@ -4,12 +4,14 @@
 use std::path::{Path, PathBuf};
 
 use headway_datasets::features::{
-    prepare, FeatureDtype, FeatureSet, PrepareOptions, Quiet, RegenerateSettings, ShardSplit,
+    prepare, ExtractionSettings, FeatureSet, PrepareOptions, Quiet, RegenerateSettings, ShardSplit,
 };
 use headway_datasets::{CorpusFormat, DatasetError};
 use headway_model::mask::positions;
 use headway_model::testing::write_tiny_model;
-use headway_model::{generate, ForwardInput, Message, Sampler, SamplingParams, Target};
+use headway_model::{
+    generate, CpuThreads, Dtype, ForwardInput, Message, Sampler, SamplingParams, Target,
+};
 use tch::{Device, Kind, Tensor};
 
 /// Twelve chats of varied length (two with a system prompt, one multi-turn).
@@ -39,14 +41,16 @@ fn options(data: &Path, out: &Path) -> PrepareOptions {
         data: data.to_path_buf(),
         format: CorpusFormat::JsonlChat,
         out: out.to_path_buf(),
-        max_seqs: None,
-        max_len: 96,
-        held_out_fraction: 0.25,
-        regenerate: None,
-        taps: vec![0, 1],
-        dtype: FeatureDtype::F32,
-        shard_tokens: 250,
-        batch_tokens: 200,
+        settings: ExtractionSettings {
+            max_seqs: None,
+            max_len: 96,
+            held_out_fraction: 0.25,
+            regenerate: None,
+            taps: vec![0, 1],
+            dtype: Dtype::F32,
+            shard_tokens: 250,
+            batch_tokens: 200,
+        },
         command: vec!["test".into()],
     }
 }
@@ -62,7 +66,13 @@ fn fixture() -> Fixture {
     let dir = tempfile::tempdir().unwrap();
     let root = dir.path().to_path_buf();
     write_tiny_model(&root.join("target"), 7).unwrap();
-    let target = Target::load(&root.join("target"), Kind::Float, Device::Cpu).unwrap();
+    let target = Target::load(
+        &root.join("target"),
+        Kind::Float,
+        Device::Cpu,
+        CpuThreads::new(2),
+    )
+    .unwrap();
     let data = write_corpus(&root);
     Fixture {
         _dir: dir,
@@ -86,6 +96,7 @@ fn forward_alone(target: &Target, ids: &Tensor) -> (Tensor, Vec<Tensor>) {
                 positions: &positions(0, len, Device::Cpu),
                 mask: None,
                 taps: &[0, 1],
+                cpu: &target.cpu.batch(),
             },
             None,
         )
@@ -201,16 +212,17 @@ fn real_smollm2_features_equal_a_fresh_forward_in_padded_batches() {
         &headway_model::testing::real_target_dir(),
         Kind::Float,
         Device::Cpu,
+        CpuThreads::new(2),
     )
     .unwrap();
     let out = dir.path().join("features");
-    let opts = PrepareOptions {
+    let mut opts = PrepareOptions {
         format: CorpusFormat::PlainText,
-        held_out_fraction: 0.0,
-        taps: vec![0, 1],
-        batch_tokens: 128,
         ..options(&data, &out)
     };
+    opts.settings.held_out_fraction = 0.0;
+    opts.settings.taps = vec![0, 1];
+    opts.settings.batch_tokens = 128;
     prepare(&target, &opts, &mut Quiet).unwrap();
     let set = FeatureSet::open(&out).unwrap();
     let shard = set.load_shard(0).unwrap();
@@ -279,8 +291,8 @@ fn other_settings_in_the_same_directory_are_refused_by_name() {
     let out = f.root.join("features");
     prepare(&f.target, &options(&f.data, &out), &mut Quiet).unwrap();
     let mut other = options(&f.data, &out);
-    other.max_len = 64;
-    other.dtype = FeatureDtype::Bf16;
+    other.settings.max_len = 64;
+    other.settings.dtype = Dtype::Bf16;
     let err = prepare(&f.target, &other, &mut Quiet)
         .unwrap_err()
         .to_string();
@@ -359,18 +371,55 @@ fn an_unfinished_directory_is_not_opened_as_features() {
     assert!(err.contains("no manifest.json"), "{err}");
 }
 
+/// A manifest written by a newer format is refused by name, not half read (issue 19).
+#[test]
+fn a_manifest_with_keys_this_version_does_not_know_is_refused() {
+    let f = fixture();
+    let out = f.root.join("features");
+    prepare(&f.target, &options(&f.data, &out), &mut Quiet).unwrap();
+    let path = out.join("manifest.json");
+    let original: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
+    for (edit, key) in [
+        (
+            &(|v: &mut serde_json::Value| v["settings"]["rope"] = 1.into())
+                as &dyn Fn(&mut serde_json::Value),
+            "settings.rope",
+        ),
+        (
+            &|v: &mut serde_json::Value| v["shards"][0]["crc"] = 1.into(),
+            "shards[0].crc",
+        ),
+        (
+            &|v: &mut serde_json::Value| v["settings"]["target"]["dtype"] = "bf16".into(),
+            "settings.target.dtype",
+        ),
+    ] {
+        let mut value = original.clone();
+        edit(&mut value);
+        std::fs::write(&path, value.to_string()).unwrap();
+        let err = FeatureSet::open(&out).err().unwrap().to_string();
+        assert!(err.contains(&format!("unknown key `{key}`")), "{err}");
+    }
+    let mut newer = original.clone();
+    newer["format"] = "headway-features/2".into();
+    newer["extra"] = 1.into();
+    std::fs::write(&path, newer.to_string()).unwrap();
+    let err = FeatureSet::open(&out).err().unwrap().to_string();
+    assert!(err.contains("headway-features/2"), "{err}");
+    std::fs::write(&path, original.to_string()).unwrap();
+    assert!(FeatureSet::open(&out).is_ok());
+}
+
 #[test]
 fn regeneration_uses_the_targets_own_replies_and_resumes_after_a_torn_line() {
     let f = fixture();
     let out = f.root.join("features");
     let mut opts = options(&f.data, &out);
-    opts.max_seqs = Some(3);
-    opts.regenerate = Some(RegenerateSettings {
-        temperature: 0.0,
-        top_p: 1.0,
-        top_k: 0,
+    opts.settings.max_seqs = Some(3);
+    opts.settings.regenerate = Some(RegenerateSettings {
+        sampling: SamplingParams::default(),
         max_new_tokens: 12,
-        seed: 0,
         batch: 2,
         max_turns: None,
     });

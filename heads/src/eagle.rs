@@ -22,7 +22,7 @@
 //! columns on export ([`fold_embed_scale`]), the head is an ordinary EAGLE-1 head.
 
 use headway_model::linear::Linear;
-use headway_model::{DecoderLayer, KvCache, ModelConfig, Rotary};
+use headway_model::{CpuPolicy, DecoderLayer, KvCache, ModelConfig, Rotary};
 use tch::{Device, Kind, Tensor};
 
 use crate::error::{HeadError, Result};
@@ -116,7 +116,7 @@ impl EagleHead {
         }
         let device = embed.device();
         let mut params = Params::new();
-        for (name, shape) in parameter_shapes(&config) {
+        for (name, shape) in parameter_shapes(&config)? {
             let value = if name.ends_with("norm.weight") {
                 Tensor::ones(shape.as_slice(), (Kind::Float, device))
             } else if name == TAP_PROJ {
@@ -141,9 +141,10 @@ impl EagleHead {
         self.embed.device()
     }
 
-    /// Assembles the head's modules from the current parameters. Call again after the parameters
-    /// change (the decoder layer holds concatenations of them).
-    pub fn modules(&self) -> Result<EagleModules<'_>> {
+    /// Assembles the head's modules from the current parameters, to run under `cpu` (decoding's
+    /// policy when drafting, batch work's in training). Call again after the parameters change
+    /// (the decoder layer holds concatenations of them).
+    pub fn modules(&self, cpu: CpuPolicy) -> Result<EagleModules<'_>> {
         let fc = Linear::new(
             self.params.get("fc.weight")?.shallow_clone(),
             Some(self.params.get("fc.bias")?.shallow_clone()),
@@ -169,6 +170,7 @@ impl EagleHead {
             tap_proj,
             layers,
             lm_head: Linear::new(self.lm_head.shallow_clone(), None),
+            cpu,
         })
     }
 
@@ -193,6 +195,7 @@ pub struct EagleModules<'a> {
     /// The frozen target LM head (draft-vocabulary rows): drafting runs it on headway's fast CPU
     /// path, training through libtorch.
     lm_head: Linear,
+    cpu: CpuPolicy,
 }
 
 impl EagleModules<'_> {
@@ -208,7 +211,7 @@ impl EagleModules<'_> {
                     .iter()
                     .map(|t| rms_normalised(&t.to_kind(Kind::Float)))
                     .collect();
-                Ok(hidden + proj.forward(&Tensor::cat(&normed, -1)))
+                Ok(hidden + proj.forward(&Tensor::cat(&normed, -1), &self.cpu))
             }
             _ => Err(HeadError::Invalid(format!(
                 "the EAGLE head reads the target's taps {:?}, but {} tap tensors were given",
@@ -238,9 +241,11 @@ impl EagleModules<'_> {
             false,
         );
         let embedded = embedded * self.head.config.embed_scale;
-        let x = self
-            .fc
-            .forward(&Tensor::cat(&[embedded, features.to_kind(Kind::Float)], -1));
+        self.cpu.enter();
+        let x = self.fc.forward(
+            &Tensor::cat(&[embedded, features.to_kind(Kind::Float)], -1),
+            &self.cpu,
+        );
         let rope = self.head.rotary.cos_sin(positions, Kind::Float);
         Ok(DecoderLayer::forward_stack(
             &self.layers,
@@ -248,12 +253,13 @@ impl EagleModules<'_> {
             &rope,
             cache,
             mask,
+            &self.cpu,
         )?)
     }
 
     /// Logits over the draft vocabulary for features `[..., hidden]` (the frozen target LM head).
     pub fn logits(&self, features: &Tensor) -> Tensor {
-        self.lm_head.forward(features)
+        self.lm_head.forward(features, &self.cpu)
     }
 
     /// The frozen LM head's weight `[draft vocab, hidden]`.
@@ -297,7 +303,7 @@ fn rms_normalised(x: &Tensor) -> Tensor {
 
 /// Names and shapes of the parameters of an EAGLE head of shape `config` (EAGLE repository
 /// layout, plus `tap_proj.weight` for a tapped head).
-pub fn parameter_shapes(config: &EagleConfig) -> Vec<(String, Vec<i64>)> {
+pub fn parameter_shapes(config: &EagleConfig) -> Result<Vec<(String, Vec<i64>)>> {
     let h = config.layer.hidden_size as i64;
     let mut shapes = vec![
         ("fc.weight".to_string(), vec![h, 2 * h]),
@@ -307,47 +313,26 @@ pub fn parameter_shapes(config: &EagleConfig) -> Vec<(String, Vec<i64>)> {
         shapes.push((TAP_PROJ.to_string(), vec![h, config.taps.len() as i64 * h]));
     }
     for index in 0..config.layers() {
-        shapes.extend(layer_shapes(&config.layer, &layer_prefix(index), index > 0));
+        // Only the first layer reads its input un-normed: `fc`'s output, not a residual stream.
+        let mut layer =
+            DecoderLayer::weight_shapes(&layer_prefix(index), &config.layer, index > 0)?;
+        // Matrices before vectors: the order in which `EagleHead::new` draws them from the seeded
+        // generator, kept so that a seed gives the same head as in earlier versions.
+        layer.sort_by_key(|(_, shape)| shape.len() == 1);
+        shapes.extend(layer);
     }
-    shapes
-}
-
-/// Names and shapes of one decoder layer's parameters under `prefix`.
-fn layer_shapes(c: &ModelConfig, prefix: &str, input_norm: bool) -> Vec<(String, Vec<i64>)> {
-    let (h, i) = (c.hidden_size as i64, c.intermediate_size as i64);
-    let q = (c.num_attention_heads * c.head_dim) as i64;
-    let kv = (c.num_key_value_heads * c.head_dim) as i64;
-    let d = c.head_dim as i64;
-    let p = |name: &str| format!("{prefix}.{name}");
-    let mut shapes = vec![
-        (p("self_attn.q_proj.weight"), vec![q, h]),
-        (p("self_attn.k_proj.weight"), vec![kv, h]),
-        (p("self_attn.v_proj.weight"), vec![kv, h]),
-        (p("self_attn.o_proj.weight"), vec![h, q]),
-        (p("post_attention_layernorm.weight"), vec![h]),
-        (p("mlp.gate_proj.weight"), vec![i, h]),
-        (p("mlp.up_proj.weight"), vec![i, h]),
-        (p("mlp.down_proj.weight"), vec![h, i]),
-    ];
-    if input_norm {
-        shapes.push((p("input_layernorm.weight"), vec![h]));
-    }
-    if c.qkv_bias {
-        for part in ["q", "k", "v"] {
-            let rows = if part == "q" { q } else { kv };
-            shapes.push((p(&format!("self_attn.{part}_proj.bias")), vec![rows]));
-        }
-    }
-    if c.qk_norm {
-        shapes.push((p("self_attn.q_norm.weight"), vec![d]));
-        shapes.push((p("self_attn.k_norm.weight"), vec![d]));
-    }
-    shapes
+    Ok(shapes)
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use headway_model::CpuThreads;
+
+    /// Drafting's CPU policy.
+    fn decode() -> CpuPolicy {
+        CpuThreads::new(2).decode()
+    }
     use headway_model::mask::positions;
     use headway_model::testing::tiny_config;
 
@@ -388,26 +373,38 @@ mod tests {
             Tensor::randn(shape, (Kind::Float, Device::Cpu)) * 30.0,
             Tensor::randn(shape, (Kind::Float, Device::Cpu)),
         ];
-        let fused = tapped.modules().unwrap().fuse(&hidden, &taps).unwrap();
+        let fused = tapped
+            .modules(decode())
+            .unwrap()
+            .fuse(&hidden, &taps)
+            .unwrap();
         assert!(fused.equal(&hidden));
         assert!(plain
-            .modules()
+            .modules(decode())
             .unwrap()
             .fuse(&hidden, &[])
             .unwrap()
             .equal(&hidden));
         let wrong = tapped
-            .modules()
+            .modules(decode())
             .unwrap()
             .fuse(&hidden, &taps[..1])
             .err()
             .unwrap();
         assert!(wrong.to_string().contains("taps [0, 2]"), "{wrong}");
-        assert!(plain.modules().unwrap().fuse(&hidden, &taps).is_err());
+        assert!(plain
+            .modules(decode())
+            .unwrap()
+            .fuse(&hidden, &taps)
+            .is_err());
         // Each tap is normalised to unit RMS, whatever its scale, before the projection.
         let ones = Tensor::ones([h, 2 * h], (Kind::Float, Device::Cpu));
         tapped.params.insert("tap_proj.weight", &ones);
-        let fused = tapped.modules().unwrap().fuse(&hidden, &taps).unwrap();
+        let fused = tapped
+            .modules(decode())
+            .unwrap()
+            .fuse(&hidden, &taps)
+            .unwrap();
         let normed = |t: &Tensor| t / t.square().mean_dim(-1, true, Kind::Float).sqrt();
         let expected =
             &hidden + (normed(&taps[0]) + normed(&taps[1])).sum_dim_intlist(-1, true, Kind::Float);
@@ -441,7 +438,7 @@ mod tests {
         let features = Tensor::randn([1, 5, h], (Kind::Float, Device::Cpu));
         let ids = Tensor::randint(50, [1, 5], (Kind::Int64, Device::Cpu));
         let predict = |head: &EagleHead| {
-            head.modules()
+            head.modules(decode())
                 .unwrap()
                 .forward(&features, &ids, &positions(0, 5, Device::Cpu), None, None)
                 .unwrap()
@@ -492,7 +489,7 @@ mod tests {
             .map(|_| Tensor::randn([2, 6, h], (Kind::Float, Device::Cpu)))
             .collect();
         let ids = Tensor::randint(50, [2, 6], (Kind::Int64, Device::Cpu));
-        let modules = head.modules().unwrap();
+        let modules = head.modules(decode()).unwrap();
         let predicted = modules
             .forward(
                 &modules.fuse(&features, &taps).unwrap(),
@@ -531,7 +528,7 @@ mod tests {
         let features = Tensor::randn([1, 5, h], (Kind::Float, Device::Cpu));
         let ids = Tensor::randint(50, [1, 5], (Kind::Int64, Device::Cpu));
         let mut cache = head.new_cache(1, 8).unwrap();
-        let modules = head.modules().unwrap();
+        let modules = head.modules(decode()).unwrap();
         let full = modules
             .forward(&features, &ids, &positions(0, 5, Device::Cpu), None, None)
             .unwrap();

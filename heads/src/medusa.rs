@@ -9,6 +9,7 @@
 //! `{k}.{L}.weight` for the LM head.
 
 use headway_model::linear::Linear;
+use headway_model::CpuPolicy;
 use serde::{Deserialize, Serialize};
 use tch::{Kind, Tensor};
 
@@ -17,6 +18,7 @@ use crate::params::Params;
 
 /// The shape of a set of Medusa heads.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
 pub struct MedusaConfig {
     pub num_heads: usize,
     pub num_layers: usize,
@@ -90,21 +92,21 @@ impl MedusaHeads {
     }
 
     /// Logits of every head for `hidden` (`[..., hidden]`): `num_heads` tensors `[..., vocab]`.
-    pub fn forward(&self, hidden: &Tensor) -> Result<Vec<Tensor>> {
+    pub fn forward(&self, hidden: &Tensor, cpu: &CpuPolicy) -> Result<Vec<Tensor>> {
         (0..self.config.num_heads)
-            .map(|k| self.head(k, hidden))
+            .map(|k| self.head(k, hidden, cpu))
             .collect()
     }
 
     /// Logits of head `k`.
-    pub fn head(&self, k: usize, hidden: &Tensor) -> Result<Tensor> {
+    pub fn head(&self, k: usize, hidden: &Tensor, cpu: &CpuPolicy) -> Result<Tensor> {
         Ok(self
-            .head_features(k, hidden)?
+            .head_features(k, hidden, cpu)?
             .matmul(&self.lm_head(k)?.tr()))
     }
 
-    /// What head `k`'s LM head reads: `hidden` after the head's residual blocks.
-    pub fn head_features(&self, k: usize, hidden: &Tensor) -> Result<Tensor> {
+    /// What head `k`'s LM head reads: `hidden` after the head's residual blocks, under `cpu`.
+    pub fn head_features(&self, k: usize, hidden: &Tensor, cpu: &CpuPolicy) -> Result<Tensor> {
         let mut x = hidden.to_kind(Kind::Float);
         for l in 0..self.config.num_layers {
             let block = Linear::new(
@@ -117,7 +119,7 @@ impl MedusaHeads {
                         .shallow_clone(),
                 ),
             );
-            x = &x + block.forward(&x).silu();
+            x = &x + block.forward(&x, cpu).silu();
         }
         Ok(x)
     }
@@ -156,7 +158,9 @@ mod tests {
         for shared in [false, true] {
             let heads = MedusaHeads::new(config(shared), &lm_head).unwrap();
             let expected = hidden.matmul(&lm_head.tr());
-            let logits = heads.forward(&hidden).unwrap();
+            let logits = heads
+                .forward(&hidden, &headway_model::CpuThreads::new(2).decode())
+                .unwrap();
             assert_eq!(logits.len(), 3);
             for l in &logits {
                 assert!((l - &expected).abs().max().double_value(&[]) < 1e-5);

@@ -4,7 +4,8 @@
 
 use std::time::Instant;
 
-use headway_model::linear::{set_cpu_inference_threads, Linear};
+use headway_model::linear::Linear;
+use headway_model::CpuThreads;
 use tch::{Device, Kind, Tensor};
 
 /// 40 matrices of SmolLM2's gate/up size (3072 × 576 f32, 7 MB each): 283 MB, far beyond any cache.
@@ -50,7 +51,8 @@ fn main() {
             }
         },
     );
-    set_cpu_inference_threads(threads);
+    let cpu = CpuThreads::new(threads).decode();
+    cpu.enter();
     let layers: Vec<Linear> = weights
         .iter()
         .map(|w| Linear::new(w.shallow_clone(), None))
@@ -60,7 +62,7 @@ fn main() {
         bytes,
         || {
             for layer in &layers {
-                let _ = layer.forward(&x);
+                let _ = layer.forward(&x, &cpu);
             }
         },
     );

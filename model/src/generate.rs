@@ -2,7 +2,8 @@
 
 use std::time::Instant;
 
-use crate::mask::positions;
+use crate::cpu::CpuPolicy;
+use crate::mask::TreeInput;
 use crate::{ForwardInput, KvCache, Target};
 use tch::{Kind, Tensor};
 
@@ -59,8 +60,9 @@ pub fn generate(
     let mut prefill_seconds = 0.0;
     let mut input: Vec<u32> = prompt_ids.to_vec();
     let mut stop_reason = StopReason::Length;
+    let cpu = target.cpu.decode();
     while tokens.len() < max_new_tokens {
-        let logits = next_logits(target, &input, &mut cache)?;
+        let logits = next_logits(target, &input, &mut cache, &cpu)?;
         if tokens.is_empty() {
             prefill_seconds = start.elapsed().as_secs_f64();
         }
@@ -116,7 +118,8 @@ pub fn generate_batch(
     }
     let _no_grad = tch::no_grad_guard();
     let start = Instant::now();
-    let (mut logits, mut cache, pads) = prefill_each(target, prompts, max_new_tokens)?;
+    let cpu = target.cpu.decode();
+    let (mut logits, mut cache, pads) = prefill_each(target, prompts, max_new_tokens, &cpu)?;
     let prefill_seconds = start.elapsed().as_secs_f64();
     let mut tokens: Vec<Vec<u32>> = vec![Vec::new(); prompts.len()];
     let mut stops = vec![StopReason::Length; prompts.len()];
@@ -152,7 +155,7 @@ pub fn generate_batch(
             running = vec![true; rows.len()];
         }
         let row_pads: Vec<usize> = rows.iter().map(|&p| pads[p]).collect();
-        logits = decode_step(target, &next, &row_pads, &mut cache)?;
+        logits = decode_step(target, &next, &row_pads, &mut cache, &cpu)?;
     }
     let seconds = start.elapsed().as_secs_f64();
     tokens
@@ -191,6 +194,7 @@ fn prefill_each(
     target: &Target,
     prompts: &[Vec<u32>],
     max_new_tokens: &[usize],
+    cpu: &CpuPolicy,
 ) -> Result<(Tensor, KvCache, Vec<usize>)> {
     let longest_prompt = prompts.iter().map(Vec::len).max().unwrap_or(0);
     let longest_reply = max_new_tokens.iter().copied().max().unwrap_or(0);
@@ -199,7 +203,7 @@ fn prefill_each(
     for prompt in prompts {
         let config = target.model.config();
         let mut cache = KvCache::new(config, 1, prompt.len(), target.kind, target.device)?;
-        logits.push(next_logits(target, prompt, &mut cache)?);
+        logits.push(next_logits(target, prompt, &mut cache, cpu)?);
         caches.push(cache);
     }
     let (cache, pads) = KvCache::stack_right_aligned(&caches, longest_prompt + longest_reply)?;
@@ -213,6 +217,7 @@ fn decode_step(
     tokens: &[i64],
     pads: &[usize],
     cache: &mut KvCache,
+    cpu: &CpuPolicy,
 ) -> Result<Tensor> {
     let device = target.device;
     let past = cache.len() as i64;
@@ -228,9 +233,10 @@ fn decode_step(
         positions: &positions,
         mask: Some(&mask),
         taps: &[],
+        cpu,
     };
     let hidden = target.model.model.forward(&input, Some(cache))?.hidden;
-    Ok(target.model.lm_head.forward(&hidden.view([rows, -1])))
+    Ok(target.model.lm_head.forward(&hidden.view([rows, -1]), cpu))
 }
 
 /// Checks that a request fits `target`: a prompt with tokens, and room in the context for
@@ -255,19 +261,18 @@ pub fn check_request(target: &Target, prompt_len: usize, max_new_tokens: usize) 
 }
 
 /// Runs `new_ids` after the cached prefix and returns the logits (`[vocab]`) at the last one.
-fn next_logits(target: &Target, new_ids: &[u32], cache: &mut KvCache) -> Result<Tensor> {
-    let ids: Vec<i64> = new_ids.iter().map(|&t| t as i64).collect();
-    let input_ids = Tensor::from_slice(&ids)
-        .unsqueeze(0)
-        .to_device(target.device);
-    let positions = positions(cache.len(), ids.len(), target.device);
-    let input = ForwardInput {
-        input_ids: &input_ids,
-        positions: &positions,
-        mask: None,
-        taps: &[],
-    };
-    let hidden = target.model.model.forward(&input, Some(cache))?.hidden;
-    let last = hidden.get(0).get(ids.len() as i64 - 1);
-    Ok(target.model.lm_head.forward(&last))
+fn next_logits(
+    target: &Target,
+    new_ids: &[u32],
+    cache: &mut KvCache,
+    cpu: &CpuPolicy,
+) -> Result<Tensor> {
+    let input = TreeInput::causal(cache.len(), new_ids, target.device);
+    let hidden = target
+        .model
+        .model
+        .forward(&ForwardInput::new(&input, &[], cpu), Some(cache))?
+        .hidden;
+    let last = hidden.get(0).get(new_ids.len() as i64 - 1);
+    Ok(target.model.lm_head.forward(&last, cpu))
 }

@@ -9,11 +9,14 @@
 
 pub mod chat;
 pub mod config;
+pub mod cpu;
+pub mod dtype;
 pub mod error;
 pub mod files;
 pub mod fingerprint;
 pub mod generate;
-pub mod gguf;
+pub mod hash;
+pub mod json;
 pub mod kv_cache;
 pub mod linear;
 pub mod llama;
@@ -29,11 +32,14 @@ pub mod weights;
 
 pub use chat::{ChatTemplate, Message};
 pub use config::{Architecture, ModelConfig};
+pub use cpu::{CpuPolicy, CpuThreads};
+pub use dtype::Dtype;
 pub use error::{ModelError, Result};
 pub use generate::{check_request, generate, generate_batch, Generation, StopReason};
 pub use kv_cache::KvCache;
 pub use llama::{CausalLm, DecoderLayer, ForwardInput, ForwardOutput, Llama, LmHead, Rotary};
+pub use mask::TreeInput;
 pub use sampling::{Sampler, SamplingArgs, SamplingParams};
 pub use target::{Target, TargetArgs};
 pub use tokenizer::TextTokenizer;
-pub use weights::{RandomWeights, SafetensorsWeights, WeightSource};
+pub use weights::{RandomWeights, SafetensorsWeights, ShapeRecorder, WeightSource};

@@ -12,11 +12,9 @@
 //! for cache reuse across rows). Training (tensors that require grad), other dtypes and GPUs use
 //! libtorch.
 
-use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::OnceLock;
-
 use tch::{Device, Kind, Tensor};
 
+use crate::cpu::CpuPolicy;
 use crate::row_kernel::{self, Product};
 use crate::spin_pool::SpinPool;
 
@@ -39,91 +37,35 @@ impl Linear {
         &self.weight
     }
 
-    /// `x` is `[..., in_features]`; returns `[..., out_features]`.
-    pub fn forward(&self, x: &Tensor) -> Tensor {
+    /// `x` is `[..., in_features]`; returns `[..., out_features]`, on Headway's kernels where
+    /// `cpu` asks for them and the tensors allow (f32 on the CPU, no gradients), else libtorch's.
+    pub fn forward(&self, x: &Tensor, cpu: &CpuPolicy) -> Tensor {
         let in_features = self.weight.size()[1];
         let rows = x.numel() as i64 / in_features.max(1);
-        let fast = self.weight.device() == Device::Cpu
-            && self.weight.kind() == Kind::Float
-            && x.kind() == Kind::Float
-            && !self.weight.requires_grad()
-            && !x.requires_grad()
-            && !BATCH_WORKLOAD.load(Ordering::Relaxed);
-        if !fast {
+        let pool = cpu.pool().filter(|_| {
+            self.weight.device() == Device::Cpu
+                && self.weight.kind() == Kind::Float
+                && x.kind() == Kind::Float
+                && !self.weight.requires_grad()
+                && !x.requires_grad()
+        });
+        let Some(pool) = pool else {
             return x.linear(&self.weight, self.bias.as_ref());
-        }
+        };
         let mut out_shape = x.size();
         let out_features = self.weight.size()[0];
         *out_shape.last_mut().expect("x has a feature dimension") = out_features;
-        let y = split_gemm(&x.contiguous().view([rows, in_features]), &self.weight)
-            .view(out_shape.as_slice());
+        let y = split_gemm(
+            &x.contiguous().view([rows, in_features]),
+            &self.weight,
+            pool,
+        )
+        .view(out_shape.as_slice());
         match &self.bias {
             Some(b) => y + b,
             None => y,
         }
     }
-}
-
-static POOL: OnceLock<SpinPool> = OnceLock::new();
-/// Set while [`CpuWorkload::Batch`] is in force: every product goes to libtorch.
-static BATCH_WORKLOAD: AtomicBool = AtomicBool::new(false);
-
-/// What the CPU is about to run, which decides who owns the cores.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum CpuWorkload {
-    /// Few rows per product (decoding, verification): the fast path on the spin pool, libtorch
-    /// cut to one thread.
-    Decode,
-    /// Many rows per product (feature extraction over long batches): libtorch everywhere, on the
-    /// pool's thread count. Its BLAS is at least as fast as the fast path on big products, and
-    /// then the other ops (attention, norms, activations) get every core too: measured on
-    /// `prepare` (SmolLM2, 2 threads, 4096-token batches) this was the faster setting.
-    Batch,
-}
-
-/// Gives CPU inference `threads` threads: the fast path's pool gets them all and libtorch's
-/// intra-op pool is cut to one thread ([`CpuWorkload::Decode`]). With both pools on the same
-/// cores a decode step measured about 8× slower (168 ms instead of 22 ms on SmolLM2): each one's
-/// spinning workers keep the other's off the cores they wait for. The pool's size is fixed by
-/// the first call (or first use); later calls only log a mismatch.
-pub fn set_cpu_inference_threads(threads: usize) {
-    let threads = threads.max(1);
-    let pool = POOL.get_or_init(|| SpinPool::new(threads));
-    if pool.parallelism() != threads {
-        tracing::warn!(
-            requested = threads,
-            running = pool.parallelism(),
-            "the CPU inference pool already runs; keeping its size"
-        );
-    }
-    set_cpu_workload(CpuWorkload::Decode);
-}
-
-/// Switches between decode-style and batch-style CPU work (see [`CpuWorkload`]) on the threads
-/// set by [`set_cpu_inference_threads`]. The spin pool's workers park 2 ms after their last job,
-/// so a switch to [`CpuWorkload::Batch`] leaves libtorch's threads the cores.
-pub fn set_cpu_workload(workload: CpuWorkload) {
-    let threads = pool().parallelism();
-    BATCH_WORKLOAD.store(workload == CpuWorkload::Batch, Ordering::SeqCst);
-    tch::set_num_threads(match workload {
-        CpuWorkload::Decode => 1,
-        CpuWorkload::Batch => threads as i32,
-    });
-}
-
-/// Threads CPU inference runs on (the pool's size; 1 before any CPU inference).
-pub fn cpu_inference_threads() -> usize {
-    POOL.get().map_or(1, SpinPool::parallelism)
-}
-
-/// The pool; created on first use with libtorch's thread count, libtorch then cut to one thread
-/// (see [`set_cpu_inference_threads`]).
-fn pool() -> &'static SpinPool {
-    POOL.get_or_init(|| {
-        let threads = tch::get_num_threads().max(1) as usize;
-        tch::set_num_threads(1);
-        SpinPool::new(threads)
-    })
 }
 
 /// Products with up to this many rows run on [`row_kernel`] (it streams the weight once; `gemm`
@@ -133,15 +75,15 @@ fn pool() -> &'static SpinPool {
 /// 19.8 vs 19.5 (and 17.1 vs 20.0 in another run), 20 rows 24.6 vs 22.2, 32 rows 31.8 vs 28.1.
 const ROW_KERNEL_MAX_ROWS: usize = 16;
 
-/// `x [rows, in] · wᵀ` for contiguous f32 CPU tensors, output features split between threads.
-fn split_gemm(x: &Tensor, weight: &Tensor) -> Tensor {
+/// `x [rows, in] · wᵀ` for contiguous f32 CPU tensors, output features split between `pool`'s
+/// threads.
+fn split_gemm(x: &Tensor, weight: &Tensor, pool: &SpinPool) -> Tensor {
     let (rows, in_features) = (x.size()[0] as usize, x.size()[1] as usize);
     let out_features = weight.size()[0] as usize;
     let y = Tensor::empty(
         [rows as i64, out_features as i64],
         (Kind::Float, Device::Cpu),
     );
-    let pool = pool();
     let parts = pool.parallelism();
     // Pointers cross into the pool as integers; every part writes a disjoint column range of `y`.
     let (x_ptr, w_ptr, y_ptr) = (
@@ -223,6 +165,11 @@ pub unsafe fn gemm_columns(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::cpu::CpuThreads;
+
+    fn decode() -> CpuPolicy {
+        CpuThreads::new(2).decode()
+    }
 
     fn max_diff(a: &Tensor, b: &Tensor) -> f64 {
         (a - b).abs().max().double_value(&[])
@@ -244,7 +191,7 @@ mod tests {
             let b = Tensor::randn([out], (Kind::Float, Device::Cpu));
             let layer = Linear::new(w.shallow_clone(), Some(b.shallow_clone()));
             let expected = x.linear(&w, Some(&b));
-            let got = layer.forward(&x);
+            let got = layer.forward(&x, &decode());
             assert_eq!(got.size(), expected.size());
             assert!(
                 max_diff(&got, &expected) < 1e-4,
@@ -263,10 +210,11 @@ mod tests {
                 (Kind::Float, Device::Cpu),
             );
             let layer = Linear::new(Tensor::randn([301, inp], (Kind::Float, Device::Cpu)), None);
+            let cpu = decode();
             for rows in [2, 5, 13, ROW_KERNEL_MAX_ROWS as i64] {
-                let together = layer.forward(&x.narrow(0, 0, rows));
+                let together = layer.forward(&x.narrow(0, 0, rows), &cpu);
                 for row in 0..rows {
-                    let alone = layer.forward(&x.narrow(0, row, 1));
+                    let alone = layer.forward(&x.narrow(0, row, 1), &cpu);
                     assert!(
                         together.narrow(0, row, 1).equal(&alone),
                         "in {inp}, row {row} of {rows}"
@@ -280,7 +228,7 @@ mod tests {
     fn non_contiguous_inputs_are_handled() {
         let x = Tensor::randn([16, 2], (Kind::Float, Device::Cpu)).tr();
         let w = Tensor::randn([5, 16], (Kind::Float, Device::Cpu));
-        let got = Linear::new(w.shallow_clone(), None).forward(&x);
+        let got = Linear::new(w.shallow_clone(), None).forward(&x, &decode());
         assert!(max_diff(&got, &x.linear::<Tensor>(&w, None)) < 1e-4);
     }
 }

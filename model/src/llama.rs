@@ -8,9 +8,11 @@
 use tch::{Kind, Tensor};
 
 use crate::config::ModelConfig;
+use crate::cpu::CpuPolicy;
 use crate::kv_cache::KvCache;
 use crate::linear::Linear;
-use crate::weights::WeightSource;
+use crate::mask::TreeInput;
+use crate::weights::{ShapeRecorder, WeightSource};
 use crate::{ModelError, Result};
 
 /// Loads `{prefix}.{part}.weight` (and `.bias` when `with_bias`) for each part and stacks them
@@ -179,7 +181,10 @@ impl Attention {
     fn forward(&self, x: &Tensor, rope: &(Tensor, Tensor), ctx: &mut LayerContext) -> Tensor {
         let (batch, new) = (x.size()[0], x.size()[1]);
         let (h, kv, d) = (self.num_heads, self.num_kv_heads, self.head_dim);
-        let qkv = self.qkv_proj.forward(x).view([batch, new, h + 2 * kv, d]);
+        let qkv = self
+            .qkv_proj
+            .forward(x, ctx.cpu)
+            .view([batch, new, h + 2 * kv, d]);
         let values = qkv.narrow(2, h + kv, kv);
         let queries_keys = match &self.qk_norm {
             None => qkv.narrow(2, 0, h + kv),
@@ -210,7 +215,7 @@ impl Attention {
             h != kv,
         );
         let merged = attended.transpose(1, 2).reshape([batch, new, h * d]);
-        self.o_proj.forward(&merged)
+        self.o_proj.forward(&merged, ctx.cpu)
     }
 }
 
@@ -237,11 +242,11 @@ impl Mlp {
         })
     }
 
-    fn forward(&self, x: &Tensor) -> Tensor {
-        let gate_up = self.gate_up_proj.forward(x);
+    fn forward(&self, x: &Tensor, cpu: &CpuPolicy) -> Tensor {
+        let gate_up = self.gate_up_proj.forward(x, cpu);
         let gate = gate_up.narrow(-1, 0, self.intermediate);
         let up = gate_up.narrow(-1, self.intermediate, self.intermediate);
-        self.down_proj.forward(&(gate.silu() * up))
+        self.down_proj.forward(&(gate.silu() * up), cpu)
     }
 }
 
@@ -254,12 +259,14 @@ pub struct DecoderLayer {
     mlp: Mlp,
 }
 
-/// What one layer needs besides its input: its index (for the cache), the cache, the mask.
+/// What one layer needs besides its input: its index (for the cache), the cache, the mask and
+/// the CPU policy.
 struct LayerContext<'a> {
     layer: usize,
     cache: Option<&'a mut KvCache>,
     mask: Option<&'a Tensor>,
     is_causal: bool,
+    cpu: &'a CpuPolicy,
 }
 
 impl DecoderLayer {
@@ -295,17 +302,30 @@ impl DecoderLayer {
         })
     }
 
+    /// HF names and shapes of the weights [`Self::load_with`] reads under `prefix` (what a draft
+    /// head built from this layer must hold).
+    pub fn weight_shapes(
+        prefix: &str,
+        c: &ModelConfig,
+        input_norm: bool,
+    ) -> Result<Vec<(String, Vec<i64>)>> {
+        let mut recorder = ShapeRecorder::default();
+        Self::load_with(&mut recorder, prefix, c, input_norm)?;
+        Ok(recorder.into_shapes())
+    }
+
     /// Runs `layers` in order outside a model (a draft head's layers): `x` is
     /// `[batch, new, hidden]`, `rope` comes from [`Rotary::cos_sin`], the cache (if any) holds
-    /// layer k of the stack as its layer k, and `mask` works as in [`ForwardInput::mask`].
+    /// layer k of the stack as its layer k, and `mask` and `cpu` work as in [`ForwardInput`].
     pub fn forward_stack(
         layers: &[DecoderLayer],
         x: &Tensor,
         rope: &(Tensor, Tensor),
         cache: Option<&mut KvCache>,
         mask: Option<&Tensor>,
+        cpu: &CpuPolicy,
     ) -> Result<Tensor> {
-        Self::run_stack(layers, x, rope, cache, mask, |_, _| {})
+        Self::run_stack(layers, x, rope, cache, mask, cpu, |_, _| {})
     }
 
     /// [`Self::forward_stack`], showing `before_layer` each layer's index and input.
@@ -315,8 +335,10 @@ impl DecoderLayer {
         rope: &(Tensor, Tensor),
         mut cache: Option<&mut KvCache>,
         mask: Option<&Tensor>,
+        cpu: &CpuPolicy,
         mut before_layer: impl FnMut(usize, &Tensor),
     ) -> Result<Tensor> {
+        cpu.enter();
         let past = cache.as_ref().map_or(0, |c| c.len());
         let new = x.size()[1] as usize;
         if let Some(c) = cache.as_deref() {
@@ -331,6 +353,7 @@ impl DecoderLayer {
                 cache: cache.as_deref_mut(),
                 mask: mask.or(implicit.mask.as_ref()),
                 is_causal: implicit.is_causal,
+                cpu,
             };
             x = layer.forward(&x, rope, &mut ctx);
         }
@@ -346,7 +369,9 @@ impl DecoderLayer {
             None => x.shallow_clone(),
         };
         let x = x + self.self_attn.forward(&attention_input, rope, ctx);
-        let mlp = self.mlp.forward(&self.post_attention_layernorm.forward(&x));
+        let mlp = self
+            .mlp
+            .forward(&self.post_attention_layernorm.forward(&x), ctx.cpu);
         x + mlp
     }
 }
@@ -363,6 +388,22 @@ pub struct ForwardInput<'a> {
     /// Residual-stream taps to return: tap `k` is the hidden state after `k` decoder layers (HF's
     /// `hidden_states[k]`), `k < num_hidden_layers`.
     pub taps: &'a [usize],
+    /// How the forward runs on the CPU (decoding and verification must use one policy: the
+    /// greedy identity of speculative decoding rests on their arithmetic being the same).
+    pub cpu: &'a CpuPolicy,
+}
+
+impl<'a> ForwardInput<'a> {
+    /// A forward over `tokens` (a causal run or a tree, batch 1) returning `taps`, under `cpu`.
+    pub fn new(tokens: &'a TreeInput, taps: &'a [usize], cpu: &'a CpuPolicy) -> Self {
+        Self {
+            input_ids: &tokens.ids,
+            positions: &tokens.positions,
+            mask: tokens.mask.as_ref(),
+            taps,
+            cpu,
+        }
+    }
 }
 
 /// Outputs of one forward pass.
@@ -430,9 +471,15 @@ impl Llama {
         let x = self.embed_tokens.embedding_from(input.input_ids);
         let rope = self.rotary.cos_sin(input.positions, x.kind());
         let mut taps: Vec<Option<Tensor>> = input.taps.iter().map(|_| None).collect();
-        let x = DecoderLayer::run_stack(&self.layers, &x, &rope, cache, input.mask, |index, x| {
-            record_tap(&mut taps, input.taps, index, x)
-        })?;
+        let x = DecoderLayer::run_stack(
+            &self.layers,
+            &x,
+            &rope,
+            cache,
+            input.mask,
+            input.cpu,
+            |index, x| record_tap(&mut taps, input.taps, index, x),
+        )?;
         Ok(ForwardOutput {
             hidden: self.norm.forward(&x),
             taps: taps.into_iter().flatten().collect(),
@@ -553,8 +600,8 @@ impl LmHead {
 
     /// Logits `[..., vocab]` for hidden states `[..., hidden]`; callers pass only the rows they
     /// need (the last one when decoding).
-    pub fn forward(&self, hidden: &Tensor) -> Tensor {
-        self.projection.forward(hidden)
+    pub fn forward(&self, hidden: &Tensor, cpu: &CpuPolicy) -> Tensor {
+        self.projection.forward(hidden, cpu)
     }
 
     pub fn weight(&self) -> &Tensor {
@@ -573,6 +620,14 @@ impl CausalLm {
         let model = Llama::load(config, source)?;
         let lm_head = LmHead::load(config, &model, source)?;
         Ok(Self { model, lm_head })
+    }
+
+    /// HF names and shapes of every weight [`Self::load`] reads for `config` (loads zeros: meant
+    /// for small test configs).
+    pub fn weight_shapes(config: &ModelConfig) -> Result<Vec<(String, Vec<i64>)>> {
+        let mut recorder = ShapeRecorder::default();
+        Self::load(config, &mut recorder)?;
+        Ok(recorder.into_shapes())
     }
 
     pub fn config(&self) -> &ModelConfig {

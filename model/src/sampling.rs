@@ -1,93 +1,114 @@
-//! Token selection from logits: greedy, or temperature / top-k / top-p sampling with a seeded RNG.
+//! Token selection from logits: greedy, or temperature / min-p / top-k / top-p sampling with a
+//! seeded RNG.
 //!
-//! [`SamplingParams::distribution`] is the single place where temperature, top-k and top-p turn
-//! logits into probabilities, so plain sampling and speculative acceptance see the same
-//! distribution.
+//! [`SamplingParams`] is the one type every front end (command line, HTTP, `prepare
+//! --regenerate`, benchmarks) builds its sampling settings into, validated once by
+//! [`SamplingParams::new`]; [`SamplingParams::distribution`] is the single place where they turn
+//! logits into probabilities, so plain sampling, a draft model's proposals and speculative
+//! acceptance all see the same distribution.
 
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
+use serde::{Deserialize, Serialize};
 use tch::{Kind, Tensor};
 
 use crate::error::{ModelError, Result};
 
-/// How to pick each token. `temperature == 0` means greedy (argmax); top-k 0 and top-p 1 are off.
-#[derive(Debug, Clone, Copy, PartialEq)]
+/// How to pick each token. Temperature 0 means greedy (argmax); top-k 0, top-p 1 and min-p 0 are
+/// off. Built only through [`SamplingParams::new`], so every value holds its rules.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+#[serde(try_from = "SamplingFields", into = "SamplingFields")]
 pub struct SamplingParams {
-    pub temperature: f64,
-    pub top_k: usize,
-    pub top_p: f64,
-    pub seed: u64,
+    temperature: f64,
+    top_k: usize,
+    top_p: f64,
+    min_p: f64,
+    seed: u64,
 }
 
 impl Default for SamplingParams {
+    /// Greedy decoding.
     fn default() -> Self {
         Self {
             temperature: 0.0,
             top_k: 0,
             top_p: 1.0,
+            min_p: 0.0,
             seed: 0,
         }
     }
 }
 
-/// Sampling options on the command line.
-#[derive(Debug, Clone, clap::Args)]
-pub struct SamplingArgs {
-    /// Sampling temperature; 0 decodes greedily (argmax).
-    #[arg(long, default_value_t = 0.0)]
-    pub temperature: f64,
-    /// Keep only the K most likely tokens before sampling (0: off).
-    #[arg(long, default_value_t = 0)]
-    pub top_k: usize,
-    /// Keep the smallest set of tokens whose probability reaches P (1: off).
-    #[arg(long, default_value_t = 1.0)]
-    pub top_p: f64,
-    /// Seed of the sampling RNG (same seed, same output).
-    #[arg(long, default_value_t = 0)]
-    pub seed: u64,
-}
-
-impl SamplingArgs {
-    pub fn params(&self) -> Result<SamplingParams> {
-        let params = SamplingParams {
-            temperature: self.temperature,
-            top_k: self.top_k,
-            top_p: self.top_p,
-            seed: self.seed,
-        };
-        params.validate()?;
-        Ok(params)
-    }
-}
-
 impl SamplingParams {
+    /// Checks every value: temperature a finite number ≥ 0, top-p in (0, 1], min-p in [0, 1]
+    /// (a token is kept when its probability is at least min-p times the most likely token's).
+    /// An error names the field.
+    pub fn new(temperature: f64, top_k: usize, top_p: f64, min_p: f64, seed: u64) -> Result<Self> {
+        let invalid = |field, message: String| Err(ModelError::Invalid { field, message });
+        if !(temperature >= 0.0 && temperature.is_finite()) {
+            return invalid(
+                "temperature",
+                format!("{temperature} must be a finite number >= 0"),
+            );
+        }
+        if !(top_p > 0.0 && top_p <= 1.0) {
+            return invalid("top_p", format!("{top_p} must be in (0, 1]"));
+        }
+        if !(0.0..=1.0).contains(&min_p) {
+            return invalid("min_p", format!("{min_p} must be in [0, 1]"));
+        }
+        Ok(Self {
+            temperature,
+            top_k,
+            top_p,
+            min_p,
+            seed,
+        })
+    }
+
+    /// The same settings with another RNG seed.
+    pub fn with_seed(self, seed: u64) -> Self {
+        Self { seed, ..self }
+    }
+
+    pub fn temperature(&self) -> f64 {
+        self.temperature
+    }
+
+    pub fn top_k(&self) -> usize {
+        self.top_k
+    }
+
+    pub fn top_p(&self) -> f64 {
+        self.top_p
+    }
+
+    pub fn min_p(&self) -> f64 {
+        self.min_p
+    }
+
+    pub fn seed(&self) -> u64 {
+        self.seed
+    }
+
     pub fn is_greedy(&self) -> bool {
         self.temperature == 0.0
     }
 
-    /// Rejects values that have no meaning (negative temperature, top-p outside (0, 1]).
-    pub fn validate(&self) -> Result<()> {
-        if !(self.temperature >= 0.0 && self.temperature.is_finite()) {
-            return Err(ModelError::Invalid {
-                field: "temperature",
-                message: format!("{} must be a finite number >= 0", self.temperature),
-            });
-        }
-        if !(self.top_p > 0.0 && self.top_p <= 1.0) {
-            return Err(ModelError::Invalid {
-                field: "top_p",
-                message: format!("{} must be in (0, 1]", self.top_p),
-            });
-        }
-        Ok(())
-    }
-
     /// The sampling distribution over the vocabulary for `logits` (`[vocab]`), f32 on the logits'
-    /// device: softmax(logits / T) restricted to the top-k tokens and then to the top-p nucleus,
-    /// renormalised. Not meaningful for greedy params (use argmax).
+    /// device: softmax(logits / T) restricted to the tokens at least min-p times as likely as the
+    /// top one and to the top-k tokens, then to the top-p nucleus, renormalised (vLLM's order).
+    /// Not meaningful for greedy params (use argmax).
     pub fn distribution(&self, logits: &Tensor) -> Tensor {
         let scaled = logits.to_kind(Kind::Float) / self.temperature;
         let vocab = scaled.size()[0] as usize;
+        let scaled = if self.min_p > 0.0 {
+            // p(x) ≥ min_p · p_max  ⇔  scaled(x) ≥ max(scaled) + ln(min_p).
+            let threshold = scaled.max() + self.min_p.ln();
+            scaled.masked_fill(&scaled.lt_tensor(&threshold), f64::NEG_INFINITY)
+        } else {
+            scaled
+        };
         let filtered = if self.top_k > 0 && self.top_k < vocab {
             let (top, _) = scaled.topk(self.top_k as i64, 0, true, true);
             let threshold = top.get(self.top_k as i64 - 1);
@@ -107,6 +128,71 @@ impl SamplingParams {
         let drop = drop_sorted.zeros_like().scatter(0, &order, &drop_sorted);
         let kept = probs.masked_fill(&drop, 0.0);
         &kept / kept.sum(Kind::Float)
+    }
+}
+
+/// [`SamplingParams`] as written in files (`prepare`'s manifest), checked on reading.
+#[derive(Serialize, Deserialize)]
+struct SamplingFields {
+    /// 0: greedy.
+    temperature: f64,
+    top_p: f64,
+    top_k: usize,
+    /// Absent in files written before min-p existed: off.
+    #[serde(default)]
+    min_p: f64,
+    seed: u64,
+}
+
+impl TryFrom<SamplingFields> for SamplingParams {
+    type Error = ModelError;
+
+    fn try_from(f: SamplingFields) -> Result<Self> {
+        Self::new(f.temperature, f.top_k, f.top_p, f.min_p, f.seed)
+    }
+}
+
+impl From<SamplingParams> for SamplingFields {
+    fn from(p: SamplingParams) -> Self {
+        Self {
+            temperature: p.temperature,
+            top_p: p.top_p,
+            top_k: p.top_k,
+            min_p: p.min_p,
+            seed: p.seed,
+        }
+    }
+}
+
+/// Sampling options on the command line.
+#[derive(Debug, Clone, clap::Args)]
+pub struct SamplingArgs {
+    /// Sampling temperature; 0 decodes greedily (argmax).
+    #[arg(long, default_value_t = 0.0)]
+    pub temperature: f64,
+    /// Keep only the K most likely tokens before sampling (0: off).
+    #[arg(long, default_value_t = 0)]
+    pub top_k: usize,
+    /// Keep the smallest set of tokens whose probability reaches P (1: off).
+    #[arg(long, default_value_t = 1.0)]
+    pub top_p: f64,
+    /// Keep only tokens at least P times as likely as the most likely one (0: off).
+    #[arg(long, default_value_t = 0.0)]
+    pub min_p: f64,
+    /// Seed of the sampling RNG (same seed, same output).
+    #[arg(long, default_value_t = 0)]
+    pub seed: u64,
+}
+
+impl SamplingArgs {
+    pub fn params(&self) -> Result<SamplingParams> {
+        SamplingParams::new(
+            self.temperature,
+            self.top_k,
+            self.top_p,
+            self.min_p,
+            self.seed,
+        )
     }
 }
 
@@ -182,12 +268,7 @@ mod tests {
     }
 
     fn params(temperature: f64, top_k: usize, top_p: f64) -> SamplingParams {
-        SamplingParams {
-            temperature,
-            top_k,
-            top_p,
-            seed: 1,
-        }
+        SamplingParams::new(temperature, top_k, top_p, 0.0, 1).unwrap()
     }
 
     fn to_vec(t: &Tensor) -> Vec<f32> {
@@ -225,10 +306,7 @@ mod tests {
     fn greedy_picks_the_argmax_and_seeds_reproduce() {
         assert_eq!(Sampler::new(params(0.0, 0, 1.0)).next_token(&logits()), 4);
         let draw = |seed| {
-            let mut s = Sampler::new(SamplingParams {
-                seed,
-                ..params(1.0, 0, 1.0)
-            });
+            let mut s = Sampler::new(params(1.0, 0, 1.0).with_seed(seed));
             (0..20).map(|_| s.next_token(&logits())).collect::<Vec<_>>()
         };
         assert_eq!(draw(3), draw(3));
@@ -254,10 +332,41 @@ mod tests {
     }
 
     #[test]
+    fn min_p_keeps_the_tokens_at_least_that_fraction_of_the_top_one() {
+        // Softmax of the logits: token 4 ≈ 0.61, 0 ≈ 0.22, 1 ≈ 0.08, 2 ≈ 0.05, 3 ≈ 0.01.
+        let with = |min_p: f64, top_k: usize| {
+            let params = SamplingParams::new(1.0, top_k, 1.0, min_p, 1).unwrap();
+            to_vec(&params.distribution(&logits()))
+        };
+        let kept = |probs: &[f32]| (0..5).filter(|&i| probs[i] > 0.0).collect::<Vec<_>>();
+        // 0.3 × 0.61 ≈ 0.18: tokens 4 and 0 stay, renormalised.
+        let probs = with(0.3, 0);
+        assert_eq!(kept(&probs), vec![0, 4]);
+        assert!((probs[4] / probs[0] - (3.0f32 - 2.0).exp()).abs() < 1e-5);
+        assert!((probs.iter().sum::<f32>() - 1.0).abs() < 1e-6);
+        // Looser than 0.08 / 0.61: three tokens; with top-k 2 only two of them.
+        assert_eq!(kept(&with(0.1, 0)), vec![0, 1, 4]);
+        assert_eq!(kept(&with(0.1, 2)), vec![0, 4]);
+        assert_eq!(kept(&with(1.0, 0)), vec![4]);
+        let off = to_vec(&params(1.0, 0, 1.0).distribution(&logits()));
+        assert_eq!(with(0.0, 0), off);
+    }
+
+    #[test]
     fn invalid_params_name_the_field() {
-        let err = params(-1.0, 0, 1.0).validate().unwrap_err().to_string();
-        assert!(err.contains("temperature"), "{err}");
-        let err = params(1.0, 0, 1.5).validate().unwrap_err().to_string();
-        assert!(err.contains("top_p"), "{err}");
+        let err = |t, p, m| SamplingParams::new(t, 0, p, m, 0).unwrap_err().to_string();
+        assert!(err(-1.0, 1.0, 0.0).contains("temperature"));
+        assert!(err(f64::NAN, 1.0, 0.0).contains("temperature"));
+        assert!(err(1.0, 1.5, 0.0).contains("top_p"));
+        assert!(err(1.0, 0.0, 0.0).contains("top_p"));
+        assert!(err(1.0, 1.0, -0.1).contains("min_p"));
+        assert!(err(1.0, 1.0, 1.5).contains("min_p"));
+        // Files hold the same rules.
+        let bad = serde_json::json!({"temperature": 1.0, "top_p": 2.0, "top_k": 0, "seed": 0});
+        let err = serde_json::from_value::<SamplingParams>(bad).unwrap_err();
+        assert!(err.to_string().contains("top_p"), "{err}");
+        let old = serde_json::json!({"temperature": 0.5, "top_p": 0.9, "top_k": 4, "seed": 3});
+        let read: SamplingParams = serde_json::from_value(old).unwrap();
+        assert_eq!(read, SamplingParams::new(0.5, 4, 0.9, 0.0, 3).unwrap());
     }
 }

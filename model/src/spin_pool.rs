@@ -22,6 +22,8 @@ struct Shared {
     pending: AtomicUsize,
     job: std::sync::Mutex<Option<JobPtr>>,
     sleeping: Vec<AtomicBool>,
+    /// Set when the pool is dropped: workers return instead of waiting for the next job.
+    stopping: AtomicBool,
 }
 
 #[derive(Clone, Copy)]
@@ -34,6 +36,7 @@ unsafe impl Send for JobPtr {}
 pub struct SpinPool {
     shared: Arc<Shared>,
     threads: Vec<Thread>,
+    handles: Vec<thread::JoinHandle<()>>,
     /// Serialises callers: one job at a time.
     busy: std::sync::Mutex<()>,
 }
@@ -47,21 +50,21 @@ impl SpinPool {
             pending: AtomicUsize::new(0),
             job: std::sync::Mutex::new(None),
             sleeping: (0..workers).map(|_| AtomicBool::new(false)).collect(),
+            stopping: AtomicBool::new(false),
         });
-        let threads = (0..workers)
+        let handles: Vec<thread::JoinHandle<()>> = (0..workers)
             .map(|index| {
                 let shared = Arc::clone(&shared);
                 thread::Builder::new()
                     .name(format!("headway-spin-{index}"))
                     .spawn(move || worker_loop(&shared, index))
                     .expect("spawning a spin-pool worker")
-                    .thread()
-                    .clone()
             })
             .collect();
         Self {
             shared,
-            threads,
+            threads: handles.iter().map(|h| h.thread().clone()).collect(),
+            handles,
             busy: std::sync::Mutex::new(()),
         }
     }
@@ -103,6 +106,19 @@ impl SpinPool {
     }
 }
 
+impl Drop for SpinPool {
+    /// Stops and joins the workers (no job can be running: `run` borrows the pool).
+    fn drop(&mut self) {
+        self.shared.stopping.store(true, Ordering::SeqCst);
+        for thread in &self.threads {
+            thread.unpark();
+        }
+        for handle in self.handles.drain(..) {
+            let _ = handle.join();
+        }
+    }
+}
+
 fn worker_loop(shared: &Shared, index: usize) {
     // Generation 0 is the state at construction; a job published before this thread first runs
     // has bumped it already and must still be picked up.
@@ -113,6 +129,9 @@ fn worker_loop(shared: &Shared, index: usize) {
             let current = shared.generation.load(Ordering::Acquire);
             if current != seen {
                 break current;
+            }
+            if shared.stopping.load(Ordering::SeqCst) {
+                return;
             }
             if idle_since.elapsed() < SPIN_BEFORE_PARK {
                 std::hint::spin_loop();

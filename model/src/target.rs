@@ -7,6 +7,8 @@ use tch::{Device, Kind};
 
 use crate::chat::{ChatTemplate, Message};
 use crate::config::ModelConfig;
+use crate::cpu::CpuThreads;
+use crate::dtype::Dtype;
 use crate::llama::CausalLm;
 use crate::tokenizer::TextTokenizer;
 use crate::weights::SafetensorsWeights;
@@ -27,24 +29,6 @@ pub fn headway_home() -> PathBuf {
 /// Where `make` converts the embedded SmolLM2-135M-Instruct GGUF to.
 pub fn default_target_dir() -> PathBuf {
     headway_home().join("models").join(DEFAULT_TARGET_NAME)
-}
-
-/// Weight dtype on the command line.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
-pub enum DtypeArg {
-    F32,
-    Bf16,
-    F16,
-}
-
-impl DtypeArg {
-    pub fn kind(self) -> Kind {
-        match self {
-            Self::F32 => Kind::Float,
-            Self::Bf16 => Kind::BFloat16,
-            Self::F16 => Kind::Half,
-        }
-    }
 }
 
 /// Parses `cpu`, `cuda` or `cuda:N`; `cuda` when no GPU is usable is an error, not a silent CPU run.
@@ -85,7 +69,7 @@ pub struct TargetArgs {
     pub device: String,
     /// Weight and activation dtype.
     #[arg(long, value_enum, default_value = "f32")]
-    pub dtype: DtypeArg,
+    pub dtype: Dtype,
     /// CPU threads for inference (0: one per core, libtorch's default).
     #[arg(long, default_value_t = 0)]
     pub threads: usize,
@@ -97,17 +81,11 @@ impl TargetArgs {
         self.target.clone().unwrap_or_else(default_target_dir)
     }
 
-    /// Applies `--threads` and loads the target.
+    /// Loads the target on `--device` in `--dtype`, on `--threads` CPU threads.
     pub fn load(&self) -> Result<Target> {
         let device = parse_device(&self.device)?;
-        if device == Device::Cpu {
-            let threads = match self.threads {
-                0 => tch::get_num_threads().max(1) as usize,
-                n => n,
-            };
-            crate::linear::set_cpu_inference_threads(threads);
-        }
-        Target::load(&self.dir(), self.dtype.kind(), device)
+        let cpu = CpuThreads::new(self.threads);
+        Target::load(&self.dir(), self.dtype.kind(), device, cpu)
     }
 }
 
@@ -122,11 +100,13 @@ pub struct Target {
     pub stop_ids: Vec<u32>,
     pub kind: Kind,
     pub device: Device,
+    /// The CPU threads it runs on (shared with models that run beside it: a draft model).
+    pub cpu: CpuThreads,
 }
 
 impl Target {
-    /// Loads the HF directory `dir` with weights in `kind` on `device`.
-    pub fn load(dir: &Path, kind: Kind, device: Device) -> Result<Self> {
+    /// Loads the HF directory `dir` with weights in `kind` on `device`, running CPU work on `cpu`.
+    pub fn load(dir: &Path, kind: Kind, device: Device, cpu: CpuThreads) -> Result<Self> {
         if !dir.is_dir() {
             return Err(ModelError::io(
                 dir,
@@ -150,6 +130,7 @@ impl Target {
             stop_ids,
             kind,
             device,
+            cpu,
         })
     }
 

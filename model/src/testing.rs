@@ -45,37 +45,6 @@ pub fn tiny_config() -> ModelConfig {
         .expect("the tiny config resolves")
 }
 
-/// HF names and shapes of every weight of a Llama-layout `config`.
-pub fn weight_shapes(config: &ModelConfig) -> Vec<(String, Vec<i64>)> {
-    let (h, i, v) = (
-        config.hidden_size as i64,
-        config.intermediate_size as i64,
-        config.vocab_size as i64,
-    );
-    let q = (config.num_attention_heads * config.head_dim) as i64;
-    let kv = (config.num_key_value_heads * config.head_dim) as i64;
-    let mut shapes = vec![("model.embed_tokens.weight".to_string(), vec![v, h])];
-    for layer in 0..config.num_hidden_layers {
-        let p = format!("model.layers.{layer}");
-        shapes.extend([
-            (format!("{p}.input_layernorm.weight"), vec![h]),
-            (format!("{p}.self_attn.q_proj.weight"), vec![q, h]),
-            (format!("{p}.self_attn.k_proj.weight"), vec![kv, h]),
-            (format!("{p}.self_attn.v_proj.weight"), vec![kv, h]),
-            (format!("{p}.self_attn.o_proj.weight"), vec![h, q]),
-            (format!("{p}.post_attention_layernorm.weight"), vec![h]),
-            (format!("{p}.mlp.gate_proj.weight"), vec![i, h]),
-            (format!("{p}.mlp.up_proj.weight"), vec![i, h]),
-            (format!("{p}.mlp.down_proj.weight"), vec![h, i]),
-        ]);
-    }
-    shapes.push(("model.norm.weight".to_string(), vec![h]));
-    if !config.tie_word_embeddings {
-        shapes.push(("lm_head.weight".to_string(), vec![v, h]));
-    }
-    shapes
-}
-
 /// Writes `tensors` (f32, CPU) to a safetensors file.
 pub fn write_safetensors(path: &Path, tensors: &[(String, Tensor)]) -> Result<()> {
     let as_f32: Vec<(String, Tensor)> = tensors
@@ -93,7 +62,7 @@ pub fn write_tiny_model(dir: &Path, seed: u64) -> Result<()> {
     let config_text = serde_json::to_string_pretty(&tiny_config_json()).expect("json");
     std::fs::write(&config_path, config_text).map_err(|e| ModelError::io(&config_path, e))?;
     let mut source = RandomWeights::new(seed, Kind::Float, Device::Cpu);
-    let tensors = weight_shapes(&tiny_config())
+    let tensors = crate::CausalLm::weight_shapes(&tiny_config())?
         .into_iter()
         .map(|(name, shape)| Ok((name.clone(), source.tensor(&name, &shape)?)))
         .collect::<Result<Vec<_>>>()?;

@@ -194,9 +194,7 @@ impl RandomWeights {
     /// Norm weights are drawn around 1 and everything else around 0 with a scale that keeps
     /// activations O(1), so random models produce varied, non-degenerate logits.
     fn values(&self, name: &str, numel: usize, fan_in: i64) -> Vec<f32> {
-        let name_hash = name.bytes().fold(0xcbf2_9ce4_8422_2325u64, |h, b| {
-            (h ^ b as u64).wrapping_mul(0x100_0000_01b3)
-        });
+        let name_hash = crate::hash::fnv1a64(name.as_bytes());
         let mut rng = StdRng::seed_from_u64(self.seed ^ name_hash);
         let is_norm = name.ends_with("norm.weight");
         let scale = if is_norm {
@@ -226,5 +224,26 @@ impl WeightSource for RandomWeights {
             .f_reshape(shape)?
             .f_to_kind(self.kind)?
             .f_to_device(self.device)?)
+    }
+}
+
+/// A source that hands out zeros of whatever is asked and records each name and shape: the list
+/// of weights a layer or model reads, taken from its loading code itself.
+#[derive(Default)]
+pub struct ShapeRecorder {
+    shapes: Vec<(String, Vec<i64>)>,
+}
+
+impl ShapeRecorder {
+    /// The recorded `(name, shape)` pairs, in the order they were asked for.
+    pub fn into_shapes(self) -> Vec<(String, Vec<i64>)> {
+        self.shapes
+    }
+}
+
+impl WeightSource for ShapeRecorder {
+    fn tensor(&mut self, name: &str, shape: &[i64]) -> Result<Tensor> {
+        self.shapes.push((name.to_string(), shape.to_vec()));
+        Ok(Tensor::f_zeros(shape, (Kind::Float, Device::Cpu))?)
     }
 }

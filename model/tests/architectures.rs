@@ -3,7 +3,7 @@
 //! embeddings, Mistral, Qwen2's q/k/v bias, Qwen3's q/k norms with an explicit head_dim.
 
 use headway_model::testing::fixture_path;
-use headway_model::{CausalLm, ForwardInput, ModelConfig, SafetensorsWeights};
+use headway_model::{CausalLm, CpuThreads, ForwardInput, ModelConfig, SafetensorsWeights};
 use tch::{Device, Kind, Tensor};
 
 fn check(name: &str) {
@@ -21,16 +21,18 @@ fn check(name: &str) {
     };
     let input_ids = get("input_ids").unsqueeze(0);
     let positions = get("position_ids").unsqueeze(0);
+    let cpu = CpuThreads::new(2).decode();
     let input = ForwardInput {
         input_ids: &input_ids,
         positions: &positions,
         mask: None,
         taps: &[],
+        cpu: &cpu,
     };
     let hidden = tch::no_grad(|| model.model.forward(&input, None))
         .unwrap()
         .hidden;
-    let logits = model.lm_head.forward(&hidden.squeeze_dim(0));
+    let logits = model.lm_head.forward(&hidden.squeeze_dim(0), &cpu);
     let diff = (logits - get("logits")).abs().max().double_value(&[]);
     assert!(diff < 1e-4, "{name}: max |Δlogit| {diff}");
 }

@@ -3,11 +3,11 @@
 use std::path::Path;
 
 use headway_model::testing::{write_safetensors, write_tiny_model};
-use headway_model::{Target, TextTokenizer};
+use headway_model::{CpuThreads, Target, TextTokenizer};
 use tch::{Device, Kind, Tensor};
 
 fn load_error(dir: &Path) -> String {
-    match Target::load(dir, Kind::Float, Device::Cpu) {
+    match Target::load(dir, Kind::Float, Device::Cpu, CpuThreads::default()) {
         Ok(_) => panic!("loading {} should fail", dir.display()),
         Err(e) => e.to_string(),
     }
@@ -30,7 +30,7 @@ fn edit_config(dir: &Path, edit: impl FnOnce(&mut serde_json::Value)) {
 #[test]
 fn the_tiny_model_directory_loads() {
     let dir = tiny_dir();
-    let target = Target::load(dir.path(), Kind::Float, Device::Cpu).unwrap();
+    let target = Target::load(dir.path(), Kind::Float, Device::Cpu, CpuThreads::default()).unwrap();
     assert_eq!(target.stop_ids, vec![2]);
     assert!(target.chat_template.is_some());
 }

@@ -2,13 +2,13 @@
 //! each prompt the reply that generating it alone gives.
 
 use headway_model::testing::write_tiny_model;
-use headway_model::{generate, generate_batch, Sampler, SamplingParams, Target};
+use headway_model::{generate, generate_batch, CpuThreads, Sampler, SamplingParams, Target};
 use tch::{Device, Kind};
 
 fn tiny_target() -> (tempfile::TempDir, Target) {
     let dir = tempfile::tempdir().unwrap();
     write_tiny_model(dir.path(), 11).unwrap();
-    let target = Target::load(dir.path(), Kind::Float, Device::Cpu).unwrap();
+    let target = Target::load(dir.path(), Kind::Float, Device::Cpu, CpuThreads::new(2)).unwrap();
     (dir, target)
 }
 
@@ -27,12 +27,7 @@ fn requests(count: usize) -> (Vec<Vec<u32>>, Vec<usize>) {
 }
 
 fn sampler(temperature: f64, seed: u64) -> Sampler {
-    Sampler::new(SamplingParams {
-        temperature,
-        top_k: 0,
-        top_p: 1.0,
-        seed,
-    })
+    Sampler::new(SamplingParams::new(temperature, 0, 1.0, 0.0, seed).unwrap())
 }
 
 fn assert_batch_equals_one_by_one(temperature: f64) {

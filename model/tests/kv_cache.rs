@@ -1,9 +1,11 @@
 //! KV-cache and mask invariants on a tiny random model: incremental decoding, truncation,
 //! compaction of an accepted tree path and tree-masked forwards must all reproduce plain forwards.
 
-use headway_model::mask::{positions, tree_depths, tree_mask};
+use headway_model::mask::positions;
 use headway_model::testing::tiny_config;
-use headway_model::{CausalLm, ForwardInput, KvCache, RandomWeights};
+use headway_model::{
+    CausalLm, CpuPolicy, CpuThreads, ForwardInput, KvCache, RandomWeights, TreeInput,
+};
 use tch::{Device, Kind, Tensor};
 
 const TOLERANCE: f64 = 1e-5;
@@ -11,6 +13,11 @@ const TOLERANCE: f64 = 1e-5;
 fn tiny_model() -> CausalLm {
     let mut source = RandomWeights::new(7, Kind::Float, Device::Cpu);
     CausalLm::load(&tiny_config(), &mut source).unwrap()
+}
+
+/// Decoding's CPU policy (Headway's kernels), as the engine runs the model.
+fn decode() -> CpuPolicy {
+    CpuThreads::new(2).decode()
 }
 
 fn ids(tokens: &[i64]) -> Tensor {
@@ -30,6 +37,7 @@ fn run(model: &CausalLm, tokens: &[i64], cache: &mut KvCache) -> Tensor {
         positions: &positions,
         mask: None,
         taps: &[],
+        cpu: &decode(),
     };
     model.model.forward(&input, Some(cache)).unwrap().hidden
 }
@@ -108,19 +116,13 @@ const TREE_TOKENS: [i64; 6] = [40, 41, 42, 43, 44, 45];
 const TREE_PARENTS: [Option<usize>; 6] = [None, Some(0), Some(0), Some(1), Some(3), Some(2)];
 
 fn tree_forward(model: &CausalLm, cache: &mut KvCache) -> Tensor {
-    let past = cache.len();
-    let depths = tree_depths(&TREE_PARENTS);
-    let pos: Vec<i64> = depths.iter().map(|&d| (past + d) as i64).collect();
-    let positions = Tensor::from_slice(&pos).unsqueeze(0);
-    let mask = tree_mask(past, &TREE_PARENTS, Device::Cpu).unwrap();
-    let input_ids = ids(&TREE_TOKENS);
-    let input = ForwardInput {
-        input_ids: &input_ids,
-        positions: &positions,
-        mask: Some(&mask),
-        taps: &[],
-    };
-    model.model.forward(&input, Some(cache)).unwrap().hidden
+    let tokens: Vec<u32> = TREE_TOKENS.iter().map(|&t| t as u32).collect();
+    let input = TreeInput::tree(cache.len(), &tokens, &TREE_PARENTS, Device::Cpu).unwrap();
+    model
+        .model
+        .forward(&ForwardInput::new(&input, &[], &decode()), Some(cache))
+        .unwrap()
+        .hidden
 }
 
 /// Root-to-leaf paths of the tree, as node indices.
@@ -203,6 +205,7 @@ fn a_full_cache_is_an_error_not_a_panic() {
         positions: &positions,
         mask: None,
         taps: &[],
+        cpu: &decode(),
     };
     let err = model
         .model
@@ -223,6 +226,7 @@ fn taps_return_the_residual_stream_after_k_layers() {
         positions: &positions,
         mask: None,
         taps: &[0, 1],
+        cpu: &decode(),
     };
     let out = model.model.forward(&input, None).unwrap();
     let embeddings = model
@@ -240,6 +244,7 @@ fn taps_return_the_residual_stream_after_k_layers() {
     );
     let bad = ForwardInput {
         taps: &[2],
+        cpu: &decode(),
         ..input
     };
     let err = model.model.forward(&bad, None).err().unwrap().to_string();
@@ -256,6 +261,7 @@ fn wrong_input_shapes_and_ids_are_errors() {
         positions: &pos,
         mask: None,
         taps: &[],
+        cpu: &decode(),
     };
     let err = model.model.forward(&input, None).err().unwrap().to_string();
     assert!(err.contains("input_ids must be [batch, new]"), "{err}");
@@ -267,6 +273,7 @@ fn wrong_input_shapes_and_ids_are_errors() {
         positions: &pos2,
         mask: None,
         taps: &[],
+        cpu: &decode(),
     };
     let err = model.model.forward(&input, None).err().unwrap().to_string();
     assert!(err.contains("outside the vocabulary"), "{err}");
@@ -278,6 +285,7 @@ fn wrong_input_shapes_and_ids_are_errors() {
         positions: &pos2,
         mask: Some(&bad_mask),
         taps: &[],
+        cpu: &decode(),
     };
     let err = model.model.forward(&input, None).err().unwrap().to_string();
     assert!(err.contains("mask must be Bool"), "{err}");

@@ -5,11 +5,12 @@ use std::path::Path;
 
 use headway_model::mask::positions;
 use headway_model::testing::{write_safetensors, write_tiny_model};
-use headway_model::{ForwardInput, Target};
+use headway_model::{CpuThreads, ForwardInput, Target};
 use tch::{Device, Kind, Tensor};
 
 fn logits(dir: &Path, kind: Kind) -> Tensor {
-    let target = Target::load(dir, kind, Device::Cpu).unwrap();
+    let target = Target::load(dir, kind, Device::Cpu, CpuThreads::new(2)).unwrap();
+    let cpu = target.cpu.decode();
     let input_ids = Tensor::from_slice(&[5i64, 80, 200, 31, 7]).unsqueeze(0);
     let positions = positions(0, 5, Device::Cpu);
     let input = ForwardInput {
@@ -17,11 +18,16 @@ fn logits(dir: &Path, kind: Kind) -> Tensor {
         positions: &positions,
         mask: None,
         taps: &[],
+        cpu: &cpu,
     };
     let hidden = tch::no_grad(|| target.model.model.forward(&input, None))
         .unwrap()
         .hidden;
-    target.model.lm_head.forward(&hidden).to_kind(Kind::Float)
+    target
+        .model
+        .lm_head
+        .forward(&hidden, &cpu)
+        .to_kind(Kind::Float)
 }
 
 #[test]

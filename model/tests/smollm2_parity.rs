@@ -3,13 +3,20 @@
 
 use headway_model::mask::positions;
 use headway_model::testing::{fixture_path, real_target_dir};
-use headway_model::{ChatTemplate, ForwardInput, Message, Target, TextTokenizer};
+use headway_model::{ChatTemplate, CpuThreads, ForwardInput, Message, Target, TextTokenizer};
 use serde::Deserialize;
 use tch::{Device, Kind, Tensor};
 
 #[test]
 fn logits_match_transformers_within_1e_3_at_every_position() {
-    let target = Target::load(&real_target_dir(), Kind::Float, Device::Cpu).unwrap();
+    let target = Target::load(
+        &real_target_dir(),
+        Kind::Float,
+        Device::Cpu,
+        CpuThreads::new(2),
+    )
+    .unwrap();
+    let cpu = target.cpu.decode();
     let tensors = Tensor::read_safetensors(fixture_path("reference_logits.safetensors")).unwrap();
     let get = |name: &str| {
         tensors
@@ -34,9 +41,10 @@ fn logits_match_transformers_within_1e_3_at_every_position() {
             positions: &positions,
             mask: None,
             taps: &[],
+            cpu: &cpu,
         };
         let hidden = target.model.model.forward(&input, None).unwrap().hidden;
-        let logits = target.model.lm_head.forward(&hidden.squeeze_dim(0));
+        let logits = target.model.lm_head.forward(&hidden.squeeze_dim(0), &cpu);
         let per_position = (logits - expected).abs().amax(&[1i64][..], false);
         let worst = per_position.max().double_value(&[]);
         assert!(

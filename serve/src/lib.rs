@@ -1,19 +1,9 @@
-//! Serving: the speculative decoding engine, its drafters and the benchmarks.
-//!
-//! [`engine`] runs draft → one tree-verification forward → acceptance → KV compaction;
-//! [`drafters`] proposes the trees (EAGLE, Medusa, draft model, prompt lookup, none);
-//! [`acceptance`] keeps the output exactly the target's, greedy or sampled; [`bench`] measures it
-//! all on Spec-Bench.
+//! `headway-serve`'s front ends to the speculative engine ([`headway_engine`]): the command line
+//! ([`generate`], the drafting [`options`] every front end shares), the Spec-Bench benchmark
+//! ([`bench`], with its SVG chart and `compare`) and the OpenAI-compatible HTTP server and its
+//! load test ([`http`]).
 
-pub mod acceptance;
-pub mod autotune;
 pub mod bench;
-pub mod drafters;
-pub mod engine;
-pub mod error;
+pub mod generate;
 pub mod http;
-pub mod methods;
-pub mod plot;
-pub mod tree;
-
-pub use error::{Result, ServeError};
+pub mod options;

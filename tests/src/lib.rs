@@ -4,8 +4,12 @@
 use std::path::PathBuf;
 use std::process::{Command, Output};
 
-/// Path of a workspace binary; `cargo test --workspace` builds every package's binaries into the
-/// directory above this test executable's `deps/`.
+use clap::Parser;
+use headway_train::{Cli, Hooks};
+
+/// Path of a workspace binary in the directory above this test executable's `deps/`: `make test`
+/// builds them (`cargo build --release --workspace --bins`) before `cargo test`, which builds only
+/// the binaries of packages with integration tests of their own.
 pub fn binary(name: &str) -> PathBuf {
     let exe = std::env::current_exe().expect("test executable path");
     let dir = exe
@@ -15,7 +19,7 @@ pub fn binary(name: &str) -> PathBuf {
     let path = dir.join(name);
     assert!(
         path.exists(),
-        "{} is not built: run `cargo test --workspace`",
+        "{} is not built: run `cargo build --workspace --bins` (make test does)",
         path.display()
     );
     path
@@ -36,4 +40,60 @@ pub fn stdout(output: &Output) -> String {
 
 pub fn stderr(output: &Output) -> String {
     String::from_utf8_lossy(&output.stderr).into_owned()
+}
+
+/// The moment a killed `headway-train` run aborts at.
+#[derive(Debug, Clone, Copy)]
+pub enum AbortAfter {
+    /// `prepare`: after this many shards of the run are written.
+    Shards(usize),
+    /// Training: after the checkpoint of this step is saved.
+    Step(u64),
+}
+
+const CHILD_ARGS: &str = "HEADWAY_KILL_TEST_ARGS";
+const CHILD_ABORT: &str = "HEADWAY_KILL_TEST_ABORT";
+
+/// Runs `headway-train args` in a child process that aborts, as a kill would, at `abort`. The
+/// child is this test executable run again on `child_test`, an ignored test that calls
+/// [`run_aborting_child`]: the hook is injected there, in test code, not read by the binary.
+pub fn headway_train_killed(child_test: &str, args: &[&str], abort: AbortAfter) -> Output {
+    let abort = match abort {
+        AbortAfter::Shards(n) => format!("shards:{n}"),
+        AbortAfter::Step(n) => format!("step:{n}"),
+    };
+    let exe = std::env::current_exe().expect("test executable path");
+    Command::new(exe)
+        .args(["--ignored", "--exact", child_test, "--nocapture"])
+        .args(["--test-threads", "1"])
+        .env(CHILD_ARGS, serde_json::to_string(args).expect("JSON"))
+        .env(CHILD_ABORT, abort)
+        .env_remove("LD_LIBRARY_PATH")
+        .env_remove("HEADWAY_TARGET")
+        .output()
+        .expect("spawning the test executable")
+}
+
+/// The child's side of [`headway_train_killed`]: runs the command in this process with hooks
+/// that abort where the parent asked. Does nothing when not run as such a child.
+pub fn run_aborting_child() {
+    let (Ok(args), Ok(abort)) = (std::env::var(CHILD_ARGS), std::env::var(CHILD_ABORT)) else {
+        return;
+    };
+    let args: Vec<String> = serde_json::from_str(&args).expect("the parent's JSON");
+    let (point, n) = abort.split_once(':').expect("point:n");
+    let (point, n): (String, u64) = (point.to_string(), n.parse().expect("a count"));
+    let abort_at = move |at: &str, count: u64| {
+        if at == point && count == n {
+            eprintln!("aborting after {at} {count}, as a kill would");
+            std::process::abort();
+        }
+    };
+    let at_shard = abort_at.clone();
+    let hooks = Hooks {
+        shard_written: Box::new(move |shards| at_shard("shards", shards as u64)),
+        checkpoint_saved: Box::new(move |step| abort_at("step", step)),
+    };
+    let cli = Cli::parse_from(std::iter::once("headway-train".to_string()).chain(args));
+    headway_train::run(cli, &hooks).expect("the child's command");
 }

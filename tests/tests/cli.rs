@@ -16,6 +16,7 @@ fn every_subcommand_explains_its_flags() {
                 "--temperature",
                 "--top-k",
                 "--top-p",
+                "--min-p",
                 "--seed",
                 "--target",
                 "--threads",
@@ -63,6 +64,7 @@ fn every_subcommand_explains_its_flags() {
                 "--max-seqs",
                 "--max-len",
                 "--regenerate",
+                "--regen-min-p",
                 "--layers",
                 "--dtype",
                 "--device",
@@ -149,6 +151,56 @@ fn bad_sampling_values_are_refused_with_the_field_name() {
     );
     assert!(!out.status.success());
     assert!(stderr(&out).contains("temperature"), "{}", stderr(&out));
+    let out = run(
+        "headway-serve",
+        &["generate", "--prompt", "x", "--min-p", "1.5"],
+    );
+    assert!(!out.status.success());
+    assert!(stderr(&out).contains("min_p"), "{}", stderr(&out));
+}
+
+/// `prepare --regenerate` checks its sampling options as every front end does (it did not).
+#[test]
+fn bad_regeneration_sampling_is_refused_with_the_flag() {
+    let dir = tempfile::tempdir().unwrap();
+    write_tiny_model(&dir.path().join("target"), 3).unwrap();
+    let data = dir.path().join("chats.jsonl");
+    std::fs::write(
+        &data,
+        r#"{"id": 1, "messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]}"#,
+    )
+    .unwrap();
+    for (flag, value) in [
+        ("--regen-top-p", "1.5"),
+        ("--regen-min-p", "-0.5"),
+        ("--regen-temperature", "-1"),
+    ] {
+        let out = dir.path().join(format!("features{flag}"));
+        let refused = run(
+            "headway-train",
+            &[
+                "prepare",
+                "--data",
+                data.to_str().unwrap(),
+                "--target",
+                dir.path().join("target").to_str().unwrap(),
+                "--out",
+                out.to_str().unwrap(),
+                "--regenerate",
+                &format!("{flag}={value}"),
+            ],
+        );
+        assert!(!refused.status.success(), "{flag} {value} was accepted");
+        assert!(
+            stderr(&refused).contains(flag),
+            "{flag}: {}",
+            stderr(&refused)
+        );
+        assert!(
+            !out.join("manifest.json").exists(),
+            "{flag}: a manifest was written"
+        );
+    }
 }
 
 #[test]
@@ -233,6 +285,74 @@ fn bench_writes_the_documented_json_fields() {
         .map(|p| p["question_id"].as_u64().unwrap())
         .collect();
     assert_eq!(ids, vec![0, 2, 4], "one prompt per block of the file");
+}
+
+/// Regression (issue 19): `bench --questions` took only numeric ids; HumanEval's are strings.
+#[test]
+fn bench_takes_string_question_ids_and_keeps_them() {
+    let dir = tempfile::tempdir().unwrap();
+    write_tiny_model(dir.path(), 3).unwrap();
+    let questions = dir.path().join("q.jsonl");
+    std::fs::write(
+        &questions,
+        "{\"question_id\": \"HumanEval/0\", \"category\": \"coding\", \"turns\": [\"def f():\"]}\n\
+         {\"question_id\": 7, \"category\": \"coding\", \"turns\": [\"def g():\"]}\n",
+    )
+    .unwrap();
+    let json = dir.path().join("out.json");
+    let bench = |json: &std::path::Path| {
+        let out = run(
+            "headway-serve",
+            &[
+                "bench",
+                "--target",
+                dir.path().to_str().unwrap(),
+                "--method",
+                "lookup",
+                "--questions",
+                questions.to_str().unwrap(),
+                "--max-new-tokens",
+                "5",
+                "--temperature",
+                "0.8",
+                "--min-p",
+                "0.05",
+                "--json",
+                json.to_str().unwrap(),
+            ],
+        );
+        assert!(out.status.success(), "{}", stderr(&out));
+        serde_json::from_str::<serde_json::Value>(&std::fs::read_to_string(json).unwrap()).unwrap()
+    };
+    let report = bench(&json);
+    let ids: Vec<&serde_json::Value> = report["per_prompt"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|p| &p["question_id"])
+        .collect();
+    assert_eq!(
+        ids,
+        [&serde_json::json!("HumanEval/0"), &serde_json::json!(7)]
+    );
+    assert_eq!(report["settings"]["min_p"], 0.05);
+    // A named question's sampling seed is stable: the same run samples the same tokens.
+    let again = bench(&dir.path().join("again.json"));
+    let compare = run(
+        "headway-serve",
+        &[
+            "compare",
+            json.to_str().unwrap(),
+            dir.path().join("again.json").to_str().unwrap(),
+        ],
+    );
+    assert!(compare.status.success(), "{}", stdout(&compare));
+    assert!(
+        stdout(&compare).contains("2 of 2 prompts identical"),
+        "{}",
+        stdout(&compare)
+    );
+    assert_eq!(again["per_prompt"][0]["question_id"], "HumanEval/0");
 }
 
 #[test]

@@ -6,7 +6,9 @@ use std::path::Path;
 use std::process::{Command, Output};
 
 use headway_model::testing::write_tiny_model;
-use headway_tests::{binary, run, stderr, stdout};
+use headway_tests::{
+    binary, headway_train_killed, run, run_aborting_child, stderr, stdout, AbortAfter,
+};
 
 fn write_corpus(path: &Path) {
     let lines: Vec<String> = (0..16)
@@ -21,30 +23,48 @@ fn write_corpus(path: &Path) {
     std::fs::write(path, lines.join("\n")).unwrap();
 }
 
+/// `headway-train prepare` of the corpus under `root` into `out`; with `abort_after`, killed
+/// after that many shards.
 fn prepare(root: &Path, out: &Path, abort_after: Option<usize>) -> Output {
-    let mut command = Command::new(binary("headway-train"));
-    command
-        .args(["prepare", "--data"])
-        .arg(root.join("chats.jsonl"))
-        .arg("--target")
-        .arg(root.join("target"))
-        .arg("--out")
-        .arg(out)
-        .args([
-            "--max-len",
-            "64",
-            "--shard-tokens",
-            "150",
-            "--batch-tokens",
-            "128",
-        ])
-        .args(["--layers", "1", "--dtype", "bf16", "--held-out", "0.2"])
-        .env_remove("LD_LIBRARY_PATH")
-        .env_remove("HEADWAY_TARGET");
+    let data = root.join("chats.jsonl");
+    let target = root.join("target");
+    let args = [
+        "prepare",
+        "--data",
+        data.to_str().unwrap(),
+        "--target",
+        target.to_str().unwrap(),
+        "--out",
+        out.to_str().unwrap(),
+        "--max-len",
+        "64",
+        "--shard-tokens",
+        "150",
+        "--batch-tokens",
+        "128",
+        "--layers",
+        "1",
+        "--dtype",
+        "bf16",
+        "--held-out",
+        "0.2",
+    ];
     if let Some(n) = abort_after {
-        command.env("HEADWAY_TEST_ABORT_AFTER_SHARDS", n.to_string());
+        return headway_train_killed("killed_prepare_child", &args, AbortAfter::Shards(n));
     }
-    command.output().unwrap()
+    Command::new(binary("headway-train"))
+        .args(args)
+        .env_remove("LD_LIBRARY_PATH")
+        .env_remove("HEADWAY_TARGET")
+        .output()
+        .unwrap()
+}
+
+/// Not a test: the child process of the kill tests here (see `headway_train_killed`).
+#[test]
+#[ignore = "run by the kill tests as their child process"]
+fn killed_prepare_child() {
+    run_aborting_child();
 }
 
 fn files(dir: &Path) -> BTreeMap<String, Vec<u8>> {

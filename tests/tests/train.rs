@@ -5,18 +5,28 @@ use std::path::Path;
 use std::process::{Command, Output};
 
 use headway_model::testing::write_tiny_model;
-use headway_tests::{binary, run, stderr, stdout};
+use headway_tests::{
+    binary, headway_train_killed, run, run_aborting_child, stderr, stdout, AbortAfter,
+};
 
+/// `headway-train args`; with `abort_after_step`, killed after that step's checkpoint.
 fn headway_train(args: &[&str], abort_after_step: Option<u64>) -> Output {
-    let mut command = Command::new(binary("headway-train"));
-    command
+    if let Some(step) = abort_after_step {
+        return headway_train_killed("killed_training_child", args, AbortAfter::Step(step));
+    }
+    Command::new(binary("headway-train"))
         .args(args)
         .env_remove("LD_LIBRARY_PATH")
-        .env_remove("HEADWAY_TARGET");
-    if let Some(step) = abort_after_step {
-        command.env("HEADWAY_TEST_ABORT_AFTER_STEP", step.to_string());
-    }
-    command.output().unwrap()
+        .env_remove("HEADWAY_TARGET")
+        .output()
+        .unwrap()
+}
+
+/// Not a test: the child process of the kill tests here (see `headway_train_killed`).
+#[test]
+#[ignore = "run by the kill tests as their child process"]
+fn killed_training_child() {
+    run_aborting_child();
 }
 
 /// A tiny target and features of 40 short chats (a quarter held out).

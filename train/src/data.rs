@@ -9,7 +9,7 @@
 
 use anyhow::Context;
 use headway_datasets::features::{FeatureSet, ShardData, ShardSplit};
-use headway_datasets::split::mix64;
+use headway_model::hash::mix64;
 use serde::{Deserialize, Serialize};
 use tch::{Device, Kind, Tensor};
 
@@ -256,7 +256,7 @@ impl<'a> BatchStream<'a> {
 
 /// Where each of the target layers `taps` sits among the taps that `set` stores.
 pub fn tap_columns(set: &FeatureSet, taps: &[usize]) -> anyhow::Result<Vec<usize>> {
-    let stored = &set.manifest.settings.taps;
+    let stored = &set.manifest.settings.extraction.taps;
     taps.iter()
         .map(|tap| {
             stored.iter().position(|s| s == tap).with_context(|| {

@@ -11,7 +11,6 @@ use headway_datasets::features::{FeatureSet, ShardSplit};
 use headway_heads::eagle::balanced_embed_scale;
 use headway_heads::{DraftVocab, EagleConfig, EagleHead, MedusaConfig, MedusaHeads};
 use headway_model::fingerprint::target_fingerprint;
-use headway_model::linear::{set_cpu_workload, CpuWorkload};
 use headway_model::{Target, TargetArgs};
 use tch::{Kind, Tensor};
 
@@ -19,6 +18,7 @@ use crate::data::{tap_columns, BatchStream};
 use crate::objective::{EagleObjective, MedusaObjective, Objective};
 use crate::optim::AdamWConfig;
 use crate::trainer::{evaluate, summary_line, Precision, TrainSettings, Trainer};
+use crate::Hooks;
 
 /// Options every head trainer takes.
 #[derive(clap::Args)]
@@ -176,7 +176,6 @@ fn setup(args: &TargetArgs, features: &Path) -> anyhow::Result<Setup> {
     let target = args
         .load()
         .with_context(|| format!("loading target {}", args.dir().display()))?;
-    set_cpu_workload(CpuWorkload::Batch);
     let features = FeatureSet::open(features)?;
     let fingerprint = target_fingerprint(&target.dir)?;
     features.check_target(&fingerprint, &target.dir)?;
@@ -295,6 +294,7 @@ fn train(
     objective: &mut dyn Objective,
     head: HeadKind,
     draft: Option<&DraftVocab>,
+    hooks: &Hooks,
 ) -> anyhow::Result<()> {
     let device = setup.target.device;
     let trainer = Trainer {
@@ -303,6 +303,7 @@ fn train(
         out: args.out.clone(),
         device,
         checkpoint_config: Box::new(|step| checkpoint_config(setup, head.clone(), draft, step)),
+        checkpoint_saved: &*hooks.checkpoint_saved,
     };
     eprintln!(
         "training {} ({:.2} M parameters) for {} steps on {}",
@@ -347,7 +348,7 @@ fn train(
     Ok(())
 }
 
-pub fn run_medusa(args: MedusaArgs) -> anyhow::Result<()> {
+pub fn run_medusa(args: MedusaArgs, hooks: &Hooks) -> anyhow::Result<()> {
     let setup = setup(&args.common.target, &args.common.features)?;
     let draft = draft_vocab(&setup, args.common.draft_vocab)?;
     let lm_head = lm_head_rows(&setup.target, draft.as_ref());
@@ -363,6 +364,7 @@ pub fn run_medusa(args: MedusaArgs) -> anyhow::Result<()> {
         args.decay,
         draft.clone(),
         setup.target.model.config().vocab_size,
+        setup.target.cpu.batch(),
     );
     train(
         &setup,
@@ -370,10 +372,11 @@ pub fn run_medusa(args: MedusaArgs) -> anyhow::Result<()> {
         &mut objective,
         HeadKind::Medusa(config),
         draft.as_ref(),
+        hooks,
     )
 }
 
-pub fn run_eagle(args: EagleArgs) -> anyhow::Result<()> {
+pub fn run_eagle(args: EagleArgs, hooks: &Hooks) -> anyhow::Result<()> {
     let setup = setup(&args.common.target, &args.common.features)?;
     // Before the draft-vocabulary count, which reads every shard.
     tap_columns(&setup.features, &args.taps)?;
@@ -398,6 +401,7 @@ pub fn run_eagle(args: EagleArgs) -> anyhow::Result<()> {
         args.noise,
         args.classification_weight,
         usize::from(args.unroll),
+        setup.target.cpu.batch(),
     );
     train(
         &setup,
@@ -409,6 +413,7 @@ pub fn run_eagle(args: EagleArgs) -> anyhow::Result<()> {
             embed_scale,
         },
         draft.as_ref(),
+        hooks,
     )
 }
 
@@ -419,14 +424,16 @@ pub fn run_eval(args: EvalArgs) -> anyhow::Result<()> {
         draft_vocab: draft,
         checkpoint,
     } = load_head(&args.heads, &setup.target)?;
+    let cpu = setup.target.cpu.batch();
     let mut objective: Box<dyn Objective> = match head {
         DraftHead::Medusa(heads) => Box::new(MedusaObjective::new(
             heads,
             0.8,
             draft,
             setup.target.model.config().vocab_size,
+            cpu,
         )),
-        DraftHead::Eagle(head) => Box::new(EagleObjective::new(head, 0.0, 0.1, 1)),
+        DraftHead::Eagle(head) => Box::new(EagleObjective::new(head, 0.0, 0.1, 1, cpu)),
     };
     let metrics = evaluate(
         &setup.features,

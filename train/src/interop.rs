@@ -294,7 +294,7 @@ pub fn run_import(args: ImportArgs) -> anyhow::Result<()> {
         HeadKind::Medusa(medusa) => medusa.parameter_shapes(),
         HeadKind::Eagle { layers, .. } => headway_heads::eagle::parameter_shapes(
             &EagleConfig::for_target(&target_config, *layers),
-        ),
+        )?,
     };
     check_tensors(&args.from, &weights, &expected)?;
     for tensor in weights.values_mut() {

@@ -1,123 +1,20 @@
-//! `headway-train`: make a target usable (convert), prepare and verify its features, and (as the
-//! pipeline grows) train draft heads.
+//! `headway-train`: see the library ([`headway_train`]) for the commands.
 
-mod autocast;
-mod data;
-mod heads_cmd;
-mod interop;
-mod objective;
-mod optim;
-mod prepare;
-mod trainer;
-mod vocab_loss;
-
-use std::path::PathBuf;
 use std::process::ExitCode;
-use std::time::Instant;
 
-use clap::{Parser, Subcommand};
-use headway_model::gguf::{convert_gguf, OutputDtype};
-use headway_model::target::default_target_dir;
-
-#[derive(Parser)]
-#[command(
-    name = "headway-train",
-    version,
-    about = "Convert target models and train draft heads for speculative decoding."
-)]
-struct Cli {
-    #[command(subcommand)]
-    command: Command,
-}
-
-#[derive(Subcommand)]
-enum Command {
-    /// Convert a llama.cpp GGUF file (Q4_0, Q4_1, Q8_0, Q4_K, Q6_K, F16, BF16 or F32 tensors) into
-    /// an HF-style directory: config.json, model.safetensors, tokenizer.json,
-    /// tokenizer_config.json (with the GGUF's chat template).
-    Convert(ConvertArgs),
-    /// Turn a chat corpus into training features: render each conversation with the target's
-    /// chat template, mask the assistant tokens, optionally regenerate the replies with the target
-    /// (self-distillation), and store the target's hidden states in checksummed safetensors shards
-    /// with a manifest. Resumable: rerun the same command after an interruption.
-    Prepare(prepare::PrepareArgs),
-    /// Check a feature directory: its manifest, and every shard's size, checksum and contents.
-    /// Exits non-zero naming each bad shard.
-    Verify(prepare::VerifyArgs),
-    /// Train Medusa-1 heads on prepared features (head k predicts the token k + 2 ahead).
-    Medusa(heads_cmd::MedusaArgs),
-    /// Train an EAGLE head (feature-level autoregression) on prepared features.
-    Eagle(heads_cmd::EagleArgs),
-    /// Evaluate a head checkpoint on the held-out split: per-head top-1/top-5 (Medusa), top-1
-    /// and chain acceptance alpha1..alpha5 (EAGLE).
-    Eval(heads_cmd::EvalArgs),
-    /// Write a head checkpoint in the Medusa repository's or EAGLE's (vLLM, SGLang) layout.
-    Export(interop::ExportArgs),
-    /// Read a head in the Medusa or EAGLE layout into a Headway checkpoint.
-    Import(interop::ImportArgs),
-}
-
-#[derive(clap::Args)]
-struct ConvertArgs {
-    /// The GGUF file to convert.
-    #[arg(long)]
-    gguf: PathBuf,
-    /// Output directory (created if needed). Default: the embedded default target's directory,
-    /// which every command uses when given no --target.
-    #[arg(long)]
-    out: Option<PathBuf>,
-    /// Dtype of the dequantised weights in model.safetensors.
-    #[arg(long, value_enum, default_value = "f32")]
-    dtype: OutputDtype,
-}
+use clap::Parser;
+use headway_train::{run, Cli, Hooks};
 
 fn main() -> ExitCode {
     tracing_subscriber::fmt()
         .with_env_filter(tracing_subscriber::EnvFilter::from_default_env())
         .with_writer(std::io::stderr)
         .init();
-    match run(Cli::parse()) {
+    match run(Cli::parse(), &Hooks::default()) {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
             eprintln!("error: {e:#}");
             ExitCode::FAILURE
         }
     }
-}
-
-fn run(cli: Cli) -> anyhow::Result<()> {
-    match cli.command {
-        Command::Convert(args) => run_convert(args),
-        Command::Prepare(args) => prepare::run_prepare(args),
-        Command::Verify(args) => prepare::run_verify(args),
-        Command::Medusa(args) => heads_cmd::run_medusa(args),
-        Command::Eagle(args) => heads_cmd::run_eagle(args),
-        Command::Eval(args) => heads_cmd::run_eval(args),
-        Command::Export(args) => interop::run_export(args),
-        Command::Import(args) => interop::run_import(args),
-    }
-}
-
-fn run_convert(args: ConvertArgs) -> anyhow::Result<()> {
-    let out = args.out.unwrap_or_else(default_target_dir);
-    let start = Instant::now();
-    let summary = convert_gguf(&args.gguf, &out, args.dtype)?;
-    let types: Vec<String> = summary
-        .source_types
-        .iter()
-        .map(|(kind, count)| format!("{count} {kind}"))
-        .collect();
-    println!(
-        "converted {} → {}: {} ({} tensors from {}, {:.1} M parameters, {} tokens), {:.1} MB written in {:.1} s",
-        args.gguf.display(),
-        out.display(),
-        summary.architecture,
-        summary.tensors,
-        types.join(", "),
-        summary.parameters as f64 / 1e6,
-        summary.vocab_size,
-        summary.bytes_written as f64 / 1e6,
-        start.elapsed().as_secs_f64()
-    );
-    Ok(())
 }

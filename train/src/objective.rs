@@ -6,6 +6,7 @@ use std::collections::BTreeMap;
 use headway_heads::eagle::EagleModules;
 use headway_heads::{DraftVocab, EagleHead, MedusaHeads, Params};
 use headway_model::mask::positions;
+use headway_model::CpuPolicy;
 use tch::{Kind, Reduction, Tensor};
 
 use crate::data::Batch;
@@ -85,6 +86,8 @@ pub struct MedusaObjective {
     pub decay: f64,
     pub draft: Option<DraftVocab>,
     pub target_vocab: usize,
+    /// Training's CPU policy (batch work: libtorch on every thread).
+    cpu: CpuPolicy,
     /// Where the heads' logits are computed, step after step.
     scratch: Scratch,
 }
@@ -95,12 +98,14 @@ impl MedusaObjective {
         decay: f64,
         draft: Option<DraftVocab>,
         target_vocab: usize,
+        cpu: CpuPolicy,
     ) -> Self {
         Self {
             heads,
             decay,
             draft,
             target_vocab,
+            cpu,
             scratch: Scratch::default(),
         }
     }
@@ -141,7 +146,7 @@ impl Objective for MedusaObjective {
                 .view([count, -1]);
             let targets = targets.masked_select(&valid);
             let scored = projected_cross_entropy(
-                &self.heads.head_features(k, &features)?,
+                &self.heads.head_features(k, &features, &self.cpu)?,
                 self.heads.lm_head(k)?,
                 VocabTarget::Token(&targets),
                 &targets,
@@ -178,6 +183,8 @@ pub struct EagleObjective {
     /// the loss is the mean over rounds ("training-time test", EAGLE-3 / HASS). 1: EAGLE-1's
     /// teacher forcing. Evaluation scores round 1 and estimates later rounds as `alpha_n`.
     pub unroll: usize,
+    /// Training's CPU policy (batch work: libtorch on every thread).
+    cpu: CpuPolicy,
     /// Where the target's next-token distributions and the head's logits are computed.
     target_scratch: Scratch,
     logits_scratch: Scratch,
@@ -187,13 +194,20 @@ pub struct EagleObjective {
 const EAGLE_CHAIN_STEPS: usize = 5;
 
 impl EagleObjective {
-    pub fn new(head: EagleHead, noise: f64, classification_weight: f64, unroll: usize) -> Self {
+    pub fn new(
+        head: EagleHead,
+        noise: f64,
+        classification_weight: f64,
+        unroll: usize,
+        cpu: CpuPolicy,
+    ) -> Self {
         Self {
             head,
             noise,
             classification_weight,
             chain_steps: EAGLE_CHAIN_STEPS,
             unroll: unroll.max(1),
+            cpu,
             target_scratch: Scratch::default(),
             logits_scratch: Scratch::default(),
         }
@@ -248,7 +262,7 @@ impl Objective for EagleObjective {
         if len < 2 {
             return Ok(metrics);
         }
-        let modules = self.head.modules()?;
+        let modules = self.head.modules(self.cpu.clone())?;
         let from_target = target_inputs(&modules, batch)?;
         let mut inputs = from_target.shallow_clone();
         if backward_scale.is_some() && self.noise > 0.0 {
@@ -327,7 +341,7 @@ impl Objective for EagleObjective {
         }
         // Scored only where the loss is (assistant positions): the LM head is the costly part.
         let pick = |t: &Tensor| t.masked_select(&valid.unsqueeze(-1)).view([count, -1]);
-        let modules = self.head.modules()?;
+        let modules = self.head.modules(self.cpu.clone())?;
         let lm_head = modules.lm_head_weight();
         let scratch = &mut self.logits_scratch;
         let greedy = projected_argmax(&pick(&batch.hidden.narrow(1, 1, len - 1)), lm_head, scratch);
@@ -373,7 +387,13 @@ mod tests {
             &embed.narrow(0, 0, 64),
         )
         .unwrap();
-        EagleObjective::new(head, 0.0, 0.1, unroll)
+        EagleObjective::new(
+            head,
+            0.0,
+            0.1,
+            unroll,
+            headway_model::CpuThreads::new(2).batch(),
+        )
     }
 
     fn batch() -> Batch {

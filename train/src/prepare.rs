@@ -5,17 +5,16 @@ use std::path::PathBuf;
 
 use anyhow::Context;
 use headway_datasets::features::{
-    prepare, ExtractionPlan, FeatureDtype, FeatureSet, PrepareObserver, PrepareOptions,
+    prepare, ExtractionPlan, ExtractionSettings, FeatureSet, PrepareObserver, PrepareOptions,
     RegenerateSettings, ShardEntry,
 };
 use headway_datasets::CorpusFormat;
 use headway_model::fingerprint::target_fingerprint;
-use headway_model::target::{headway_home, DtypeArg};
-use headway_model::TargetArgs;
+use headway_model::target::headway_home;
+use headway_model::{Dtype, ModelError, SamplingParams, TargetArgs};
 use indicatif::{ProgressBar, ProgressStyle};
 
-/// Test hook: abort the process (as a kill would) after this many shards were written in this run.
-const ABORT_AFTER_SHARDS_ENV: &str = "HEADWAY_TEST_ABORT_AFTER_SHARDS";
+use crate::Hooks;
 
 #[derive(clap::Args)]
 pub struct PrepareArgs {
@@ -40,23 +39,33 @@ pub struct PrepareArgs {
     device: String,
     /// Dtype the target computes in.
     #[arg(long, value_enum, default_value = "f32")]
-    target_dtype: DtypeArg,
+    target_dtype: Dtype,
     /// CPU threads (0: one per core).
     #[arg(long, default_value_t = 0)]
     threads: usize,
-    /// Use only the first N unique conversations of the corpus.
+    #[command(flatten)]
+    settings: ExtractionSettings,
+    /// Padded tokens per target forward (sequences are bucketed by length). Default: 2048 on the
+    /// CPU (the fastest of 1024-8192 measured on SmolLM2, see docs/benchmarks.md), 16384 on CUDA.
     #[arg(long)]
-    max_seqs: Option<usize>,
-    /// Truncate each conversation to its first L tokens.
-    #[arg(long, default_value_t = 2048)]
-    max_len: usize,
-    /// Fraction of conversations held out for evaluation (chosen by a hash of their ids).
-    #[arg(long, default_value_t = 0.02)]
-    held_out: f64,
+    batch_tokens: Option<usize>,
     /// Self-distillation: replace every assistant turn with the target's own reply before
     /// extracting features (resumable; journal in OUT/regenerated.jsonl).
     #[arg(long)]
     regenerate: bool,
+    #[command(flatten)]
+    regen: RegenerateSettings,
+    #[command(flatten)]
+    regen_sampling: RegenSamplingArgs,
+    /// Also write this run's figures (counts, bytes, seconds, extraction tokens/s) to this JSON
+    /// file (scripts/bench_prepare_torch.py compares them with PyTorch).
+    #[arg(long)]
+    json: Option<PathBuf>,
+}
+
+/// How regenerated replies are sampled: `prepare`'s spelling of the sampling options.
+#[derive(clap::Args)]
+struct RegenSamplingArgs {
     /// Sampling temperature of regenerated replies (0: greedy).
     #[arg(long, default_value_t = 0.0)]
     regen_temperature: f64,
@@ -66,37 +75,52 @@ pub struct PrepareArgs {
     /// Top-k of regenerated replies (0: off).
     #[arg(long, default_value_t = 0)]
     regen_top_k: usize,
-    /// Longest regenerated reply, in tokens.
-    #[arg(long, default_value_t = 512)]
-    regen_max_new_tokens: usize,
-    /// Conversations regenerated together, in one batched generation (rates measured on the
-    /// CPU are in docs/benchmarks.md).
-    #[arg(long, default_value_t = 64)]
-    regen_batch: usize,
-    /// Regenerate only the first N assistant turns of each conversation and drop the rest.
-    #[arg(long)]
-    regen_turns: Option<usize>,
+    /// Min-p of regenerated replies: keep tokens at least P times as likely as the top one (0:
+    /// off).
+    #[arg(long, default_value_t = 0.0)]
+    regen_min_p: f64,
     /// Seed of regeneration sampling.
     #[arg(long, default_value_t = 0)]
     seed: u64,
-    /// Extra residual-stream taps to store besides the final hidden state: layer indices k
-    /// (hidden state after k decoder layers), e.g. `--layers 2,15,27` for EAGLE-3-style fusion.
-    #[arg(long, value_delimiter = ',')]
-    layers: Vec<usize>,
-    /// Storage dtype of the stored hidden states.
-    #[arg(long, value_enum, default_value = "bf16")]
-    dtype: FeatureDtype,
-    /// Tokens per shard (a shard closes once it holds at least this many).
-    #[arg(long, default_value_t = 65536)]
-    shard_tokens: usize,
-    /// Padded tokens per target forward (sequences are bucketed by length). Default: 2048 on the
-    /// CPU (the fastest of 1024-8192 measured on SmolLM2, see docs/benchmarks.md), 16384 on CUDA.
-    #[arg(long)]
-    batch_tokens: Option<usize>,
-    /// Also write this run's figures (counts, bytes, seconds, extraction tokens/s) to this JSON
-    /// file (scripts/bench_prepare_torch.py compares them with PyTorch).
-    #[arg(long)]
-    json: Option<PathBuf>,
+}
+
+impl RegenSamplingArgs {
+    /// The sampling settings, checked as every front end's are; an error names the flag.
+    fn params(&self) -> anyhow::Result<SamplingParams> {
+        SamplingParams::new(
+            self.regen_temperature,
+            self.regen_top_k,
+            self.regen_top_p,
+            self.regen_min_p,
+            self.seed,
+        )
+        .map_err(|e| match e {
+            ModelError::Invalid { field, message } => {
+                anyhow::anyhow!("--regen-{}: {message}", field.replace('_', "-"))
+            }
+            other => other.into(),
+        })
+    }
+}
+
+impl PrepareArgs {
+    /// The extraction settings these options ask for on `device` (a CUDA device gets larger
+    /// batches by default).
+    fn resolved_settings(&self, device: tch::Device) -> anyhow::Result<ExtractionSettings> {
+        let regenerate = match self.regenerate {
+            true => Some(RegenerateSettings {
+                sampling: self.regen_sampling.params()?,
+                ..self.regen
+            }),
+            false => None,
+        };
+        let default_batch = if device.is_cuda() { 16384 } else { 2048 };
+        Ok(ExtractionSettings {
+            regenerate,
+            batch_tokens: self.batch_tokens.unwrap_or(default_batch),
+            ..self.settings.clone()
+        })
+    }
 }
 
 /// Resolves `sharegpt` to the installed file, anything else to a path.
@@ -113,7 +137,7 @@ fn corpus_path(data: &str) -> anyhow::Result<PathBuf> {
     Ok(path)
 }
 
-pub fn run_prepare(args: PrepareArgs) -> anyhow::Result<()> {
+pub fn run_prepare(args: PrepareArgs, hooks: &Hooks) -> anyhow::Result<()> {
     let data = corpus_path(&args.data)?;
     let format = match args.format {
         Some(format) => format,
@@ -132,29 +156,10 @@ pub fn run_prepare(args: PrepareArgs) -> anyhow::Result<()> {
         data,
         format,
         out: args.out.clone(),
-        max_seqs: args.max_seqs,
-        max_len: args.max_len,
-        held_out_fraction: args.held_out,
-        regenerate: args.regenerate.then_some(RegenerateSettings {
-            temperature: args.regen_temperature,
-            top_p: args.regen_top_p,
-            top_k: args.regen_top_k,
-            max_new_tokens: args.regen_max_new_tokens,
-            seed: args.seed,
-            batch: args.regen_batch,
-            max_turns: args.regen_turns,
-        }),
-        taps: args.layers.clone(),
-        dtype: args.dtype,
-        shard_tokens: args.shard_tokens,
-        batch_tokens: args.batch_tokens.unwrap_or(if target.device.is_cuda() {
-            16384
-        } else {
-            2048
-        }),
+        settings: args.resolved_settings(target.device)?,
         command: std::env::args().collect(),
     };
-    let mut progress = Progress::new()?;
+    let mut progress = Progress::new(hooks);
     let summary = prepare(&target, &options, &mut progress)?;
     progress.finish();
     let m = &summary.manifest;
@@ -167,7 +172,7 @@ pub fn run_prepare(args: PrepareArgs) -> anyhow::Result<()> {
         c.train_sequences,
         c.held_out_sequences,
         c.truncated,
-        m.settings.max_len,
+        m.settings.extraction.max_len,
         c.tokens,
         c.assistant_tokens,
         m.shards.len(),
@@ -197,8 +202,8 @@ pub fn run_prepare(args: PrepareArgs) -> anyhow::Result<()> {
             "seconds": summary.seconds,
             "tokens_extracted": summary.tokens_extracted,
             "extraction_seconds": summary.extraction_seconds,
-            "threads": headway_model::linear::cpu_inference_threads(),
-            "batch_tokens": m.settings.batch_tokens,
+            "threads": target.cpu.count(),
+            "batch_tokens": m.settings.extraction.batch_tokens,
         });
         std::fs::write(path, serde_json::to_string_pretty(&figures)? + "\n")
             .with_context(|| format!("writing {}", path.display()))?;
@@ -207,31 +212,24 @@ pub fn run_prepare(args: PrepareArgs) -> anyhow::Result<()> {
 }
 
 /// indicatif bars for regeneration and extraction; plain lines for messages.
-struct Progress {
+struct Progress<'h> {
     bar: Option<ProgressBar>,
-    abort_after: Option<usize>,
+    hooks: &'h Hooks,
     shards_written: usize,
     regenerated_tokens: usize,
     /// Tokens extracted in this run (the bar's position also counts shards kept from before).
     extracted_tokens: usize,
 }
 
-impl Progress {
-    fn new() -> anyhow::Result<Self> {
-        let abort_after = match std::env::var(ABORT_AFTER_SHARDS_ENV) {
-            Ok(n) => Some(
-                n.parse()
-                    .with_context(|| format!("{ABORT_AFTER_SHARDS_ENV}={n}"))?,
-            ),
-            Err(_) => None,
-        };
-        Ok(Self {
+impl<'h> Progress<'h> {
+    fn new(hooks: &'h Hooks) -> Self {
+        Self {
             bar: None,
-            abort_after,
+            hooks,
             shards_written: 0,
             regenerated_tokens: 0,
             extracted_tokens: 0,
-        })
+        }
     }
 
     fn start_bar(&mut self, len: u64, position: u64, template: &str) {
@@ -253,7 +251,7 @@ impl Progress {
     }
 }
 
-impl PrepareObserver for Progress {
+impl PrepareObserver for Progress<'_> {
     fn message(&mut self, text: &str) {
         match &self.bar {
             Some(bar) if !bar.is_hidden() => bar.println(text),
@@ -326,13 +324,7 @@ impl PrepareObserver for Progress {
             // No terminal: a line per shard instead of the bar.
             _ => eprintln!("{} written", entry.file),
         }
-        if self.abort_after == Some(self.shards_written) {
-            eprintln!(
-                "{ABORT_AFTER_SHARDS_ENV}: aborting after {} shard(s)",
-                self.shards_written
-            );
-            std::process::abort();
-        }
+        (self.hooks.shard_written)(self.shards_written);
     }
 }
 

@@ -8,7 +8,7 @@ use std::time::Instant;
 use anyhow::Context;
 use headway_checkpoints::{CheckpointConfig, TrainingState};
 use headway_datasets::features::{FeatureSet, ShardSplit};
-use headway_datasets::split::mix64;
+use headway_model::hash::mix64;
 use indicatif::{ProgressBar, ProgressStyle};
 use serde::{Deserialize, Serialize};
 use tch::{Device, Kind};
@@ -64,6 +64,9 @@ pub struct Trainer<'a> {
     pub device: Device,
     /// Makes the checkpoint config for the current weights (step filled in by the trainer).
     pub checkpoint_config: Box<dyn Fn(u64) -> CheckpointConfig + 'a>,
+    /// Called with the step after each checkpoint is saved (where a kill must leave a run
+    /// that `--resume` continues).
+    pub checkpoint_saved: &'a dyn Fn(u64),
 }
 
 /// How a run ended.
@@ -159,7 +162,7 @@ impl Trainer<'_> {
                 let save_start = Instant::now();
                 checkpoint = Some(self.save(objective, &optimizer, step, stream.position)?);
                 checkpoint_seconds += save_start.elapsed().as_secs_f64();
-                abort_for_tests(step);
+                (self.checkpoint_saved)(step);
             }
         }
         bar.finish();
@@ -289,15 +292,6 @@ pub fn evaluate(
         metrics.merge(&objective.evaluate(&batch)?);
     }
     Ok(metrics)
-}
-
-/// Test hook: `HEADWAY_TEST_ABORT_AFTER_STEP=N` aborts the process (as a kill would) right after
-/// the checkpoint of step N is saved.
-fn abort_for_tests(step: u64) {
-    if std::env::var("HEADWAY_TEST_ABORT_AFTER_STEP").is_ok_and(|n| n == step.to_string()) {
-        eprintln!("HEADWAY_TEST_ABORT_AFTER_STEP: aborting after step {step}");
-        std::process::abort();
-    }
 }
 
 fn log_metrics(writer: &mut SummaryWriter, prefix: &str, metrics: &Metrics, step: u64) {

@@ -6,7 +6,7 @@
 //! batches give every real position the same hidden state as running its sequence alone (up to
 //! the last bits of the matrix kernels' blocking).
 
-use headway_model::{ForwardInput, Llama};
+use headway_model::{CpuPolicy, ForwardInput, Llama};
 use tch::{Device, Kind, Tensor};
 
 use crate::error::Result;
@@ -45,6 +45,8 @@ pub struct FeatureExtractor<'a> {
     pub batch_tokens: usize,
     /// Dtype of the returned tensors.
     pub output_kind: Kind,
+    /// The CPU policy of the forwards (batch work: libtorch on every thread).
+    pub cpu: CpuPolicy,
 }
 
 impl FeatureExtractor<'_> {
@@ -75,6 +77,7 @@ impl FeatureExtractor<'_> {
                 positions: &positions,
                 mask: None,
                 taps: self.taps,
+                cpu: &self.cpu,
             },
             None,
         )?;

@@ -76,8 +76,8 @@ impl FeatureSet {
         let settings = &self.manifest.settings;
         ShardLayout {
             hidden_size: settings.target.hidden_size,
-            taps: settings.taps.clone(),
-            dtype: settings.dtype,
+            taps: settings.extraction.taps.clone(),
+            dtype: settings.extraction.dtype,
         }
     }
 

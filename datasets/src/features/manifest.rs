@@ -5,6 +5,8 @@
 use std::path::{Path, PathBuf};
 
 use headway_model::files::write_bytes_atomically;
+use headway_model::json::from_str_strict;
+use headway_model::{Dtype, SamplingParams};
 use serde::{Deserialize, Serialize};
 
 use crate::corpus::ReadReport;
@@ -13,32 +15,6 @@ use crate::error::{DatasetError, Result};
 /// Version tag of the feature layout (manifest and shards).
 pub const FEATURES_FORMAT: &str = "headway-features/1";
 pub const MANIFEST_FILE: &str = "manifest.json";
-
-/// Storage dtype of hidden states in the shards.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, clap::ValueEnum)]
-#[serde(rename_all = "lowercase")]
-pub enum FeatureDtype {
-    F32,
-    Bf16,
-    F16,
-}
-
-impl FeatureDtype {
-    pub fn kind(self) -> tch::Kind {
-        match self {
-            Self::F32 => tch::Kind::Float,
-            Self::Bf16 => tch::Kind::BFloat16,
-            Self::F16 => tch::Kind::Half,
-        }
-    }
-
-    pub fn bytes(self) -> usize {
-        match self {
-            Self::F32 => 4,
-            Self::Bf16 | Self::F16 => 2,
-        }
-    }
-}
 
 /// The target the features came from.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -66,27 +42,68 @@ pub struct CorpusInfo {
     pub sha256: String,
 }
 
-/// Self-distillation settings (`--regenerate`).
-#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+/// Self-distillation (`prepare --regenerate`): every assistant turn replaced by the target's own
+/// reply. The command line spells the sampling options `--regen-temperature`, `--regen-top-k`,
+/// `--regen-top-p`, `--regen-min-p` and `--seed`.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize, clap::Args)]
 pub struct RegenerateSettings {
-    /// 0: greedy.
-    pub temperature: f64,
-    pub top_p: f64,
-    pub top_k: usize,
-    /// Cap on each regenerated reply (the sequence's `max_len` caps it too).
+    /// How replies are sampled (temperature 0: greedy); each conversation draws from its own seed,
+    /// mixed from this one and the conversation.
+    #[serde(flatten)]
+    #[arg(skip)]
+    pub sampling: SamplingParams,
+    /// Longest regenerated reply, in tokens (the sequence's --max-len caps it too).
+    #[arg(long = "regen-max-new-tokens", default_value_t = 512)]
     pub max_new_tokens: usize,
-    pub seed: u64,
-    /// Conversations generated together (their replies differ from one-at-a-time generation in
-    /// the last bits of floating point, so the batch is part of what decides the data).
+    /// Conversations regenerated together, in one batched generation; their replies differ from
+    /// one-at-a-time generation in the last bits of floating point, so this is part of what
+    /// decides the data (rates measured on the CPU are in docs/benchmarks.md).
     #[serde(default = "one")]
+    #[arg(long = "regen-batch", default_value_t = 64)]
     pub batch: usize,
-    /// Keep only the first N assistant turns (regenerated) and what precedes each; `None`: all.
+    /// Regenerate only the first N assistant turns of each conversation (and what precedes
+    /// each) and drop the rest; absent: all.
     #[serde(default)]
+    #[arg(long = "regen-turns")]
     pub max_turns: Option<usize>,
 }
 
 fn one() -> usize {
     1
+}
+
+/// What `prepare` is asked to do with a corpus on a target: every choice here decides the
+/// shards' bytes. Declared once: these are the command-line options (`headway-train prepare`),
+/// what the library runs, and what the manifest records.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, clap::Args)]
+pub struct ExtractionSettings {
+    /// Use only the first N unique conversations of the corpus.
+    #[arg(long)]
+    pub max_seqs: Option<usize>,
+    /// Truncate each conversation to its first L tokens.
+    #[arg(long, default_value_t = 2048)]
+    pub max_len: usize,
+    /// Fraction of conversations held out for evaluation (chosen by a hash of their ids).
+    #[arg(long = "held-out", default_value_t = 0.02)]
+    pub held_out_fraction: f64,
+    /// Self-distillation (the command line's `--regenerate` and `--regen-*` options).
+    #[arg(skip)]
+    pub regenerate: Option<RegenerateSettings>,
+    /// Extra residual-stream taps to store besides the final hidden state: layer indices k
+    /// (hidden state after k decoder layers, HF's `hidden_states[k]`), e.g. `--layers 2,15,27`
+    /// for EAGLE-3-style fusion. Stored as `tap_<k>`.
+    #[arg(long = "layers", value_delimiter = ',')]
+    pub taps: Vec<usize>,
+    /// Storage dtype of the stored hidden states.
+    #[arg(long, value_enum, default_value = "bf16")]
+    pub dtype: Dtype,
+    /// Tokens per shard (a shard closes once it holds at least this many).
+    #[arg(long, default_value_t = 65536)]
+    pub shard_tokens: usize,
+    /// Padded tokens per target forward (sequences are bucketed by length); the command line's
+    /// `--batch-tokens`, whose default depends on the device.
+    #[arg(skip)]
+    pub batch_tokens: usize,
 }
 
 /// Everything that decides the shards' bytes. A run resumes only into a directory whose
@@ -95,17 +112,8 @@ fn one() -> usize {
 pub struct Settings {
     pub target: TargetInfo,
     pub corpus: CorpusInfo,
-    pub max_seqs: Option<usize>,
-    pub max_len: usize,
-    pub held_out_fraction: f64,
-    pub regenerate: Option<RegenerateSettings>,
-    /// Extra residual-stream taps (layer indices, HF `hidden_states[k]`), stored as `tap_<k>`.
-    pub taps: Vec<usize>,
-    pub dtype: FeatureDtype,
-    /// A shard is closed once it holds at least this many tokens.
-    pub shard_tokens: usize,
-    /// Padded tokens per forward (length-bucketed batches).
-    pub batch_tokens: usize,
+    #[serde(flatten)]
+    pub extraction: ExtractionSettings,
     /// `cpu` or `cuda`: kernels differ in the last bits, and shards must not mix them.
     pub device_type: String,
 }
@@ -225,7 +233,18 @@ impl Manifest {
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
             Err(e) => return Err(DatasetError::io(&path, e)),
         };
-        let manifest: Manifest = serde_json::from_str(&text).map_err(|e| {
+        let format = serde_json::from_str::<serde_json::Value>(&text)
+            .ok()
+            .and_then(|v| v.get("format").and_then(|f| f.as_str()).map(str::to_string));
+        if format.as_deref().is_some_and(|f| f != FEATURES_FORMAT) {
+            return Err(DatasetError::features(
+                dir,
+                format!(
+                    "{MANIFEST_FILE} has format {format:?}; this Headway reads {FEATURES_FORMAT:?}"
+                ),
+            ));
+        }
+        let manifest: Manifest = from_str_strict(&text).map_err(|e| {
             DatasetError::features(dir, format!("{MANIFEST_FILE} is not a valid manifest: {e}"))
         })?;
         if manifest.format != FEATURES_FORMAT {

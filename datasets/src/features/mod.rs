@@ -13,7 +13,7 @@ pub mod shard;
 
 pub use extract::{length_buckets, FeatureExtractor};
 pub use feature_set::{FeatureSet, ShardProblem};
-pub use manifest::{FeatureDtype, Manifest, RegenerateSettings, ShardEntry, ShardSplit};
+pub use manifest::{ExtractionSettings, Manifest, RegenerateSettings, ShardEntry, ShardSplit};
 pub use prepare::{
     prepare, ExtractionPlan, PrepareObserver, PrepareOptions, PrepareSummary, Quiet,
 };

@@ -12,7 +12,6 @@ use std::time::Instant;
 
 use headway_model::files::{remove_stale_temp_files, write_bytes_atomically};
 use headway_model::fingerprint::{bytes_sha256, file_sha256, target_fingerprint};
-use headway_model::linear::{set_cpu_workload, CpuWorkload};
 use headway_model::Target;
 use tch::Tensor;
 
@@ -23,8 +22,8 @@ use crate::error::{DatasetError, Result};
 use crate::features::extract::{length_buckets, ExtractedFeatures, FeatureExtractor};
 use crate::features::feature_set::shard_file_matches;
 use crate::features::manifest::{
-    CorpusInfo, Counts, FeatureDtype, Manifest, RegenerateSettings, Settings, ShardEntry,
-    ShardSplit, TargetInfo, FEATURES_FORMAT,
+    CorpusInfo, Counts, ExtractionSettings, Manifest, Settings, ShardEntry, ShardSplit, TargetInfo,
+    FEATURES_FORMAT,
 };
 use crate::features::shard::ShardData;
 use crate::regenerate::{dedupe_for_regeneration, regenerate};
@@ -33,20 +32,13 @@ use crate::split::{split_of, Split};
 /// File of the self-distillation journal inside the output directory.
 pub const REGENERATED_FILE: &str = "regenerated.jsonl";
 
-/// What `prepare` should do.
+/// What `prepare` should do: which corpus, where to, and how.
 #[derive(Debug, Clone)]
 pub struct PrepareOptions {
     pub data: PathBuf,
     pub format: CorpusFormat,
     pub out: PathBuf,
-    pub max_seqs: Option<usize>,
-    pub max_len: usize,
-    pub held_out_fraction: f64,
-    pub regenerate: Option<RegenerateSettings>,
-    pub taps: Vec<usize>,
-    pub dtype: FeatureDtype,
-    pub shard_tokens: usize,
-    pub batch_tokens: usize,
+    pub settings: ExtractionSettings,
     /// Recorded in the manifest.
     pub command: Vec<String>,
 }
@@ -127,18 +119,17 @@ pub fn prepare(
         check_same_settings(out, &previous.settings, &settings)?;
     }
     let (conversations, mut counts) = read_conversations(options, observer)?;
-    let conversations = match &settings.regenerate {
+    let conversations = match &settings.extraction.regenerate {
         Some(regen) => {
             // The manifest goes first, so the journal is tied to these settings.
             if previous.is_none() {
                 empty_manifest(&settings, &counts, options).write(out)?;
             }
             observer.regeneration_started(conversations.len());
-            set_cpu_workload(CpuWorkload::Decode);
             regenerate(
                 target,
                 &conversations,
-                options.max_len,
+                options.settings.max_len,
                 regen,
                 &out.join(REGENERATED_FILE),
                 &mut |_, tokens| observer.conversation_regenerated(tokens),
@@ -147,7 +138,7 @@ pub fn prepare(
         None => conversations,
     };
     let sequences = format_all(target, &conversations, options, &mut counts, observer)?;
-    let plan = plan_shards(&sequences, options.shard_tokens);
+    let plan = plan_shards(&sequences, options.settings.shard_tokens);
     let mut manifest = Manifest {
         planned_shards: plan.len(),
         ..empty_manifest(&settings, &counts, options)
@@ -162,7 +153,6 @@ pub fn prepare(
     }
     manifest.write(out)?;
     observer.extraction_started(&extraction_plan(&sequences, &plan, shards_kept, &settings));
-    set_cpu_workload(CpuWorkload::Batch);
     let extract_start = Instant::now();
     let mut tokens_extracted = 0;
     for shard in &plan[shards_kept..] {
@@ -188,25 +178,25 @@ pub fn prepare(
 fn check_options(target: &Target, options: &PrepareOptions) -> Result<()> {
     let layers = target.model.config().num_hidden_layers;
     let invalid = |m: String| Err(DatasetError::Argument(m));
-    if options.max_len == 0 || options.shard_tokens == 0 || options.batch_tokens == 0 {
+    let o = &options.settings;
+    if o.max_len == 0 || o.shard_tokens == 0 || o.batch_tokens == 0 {
         return invalid("--max-len, --shard-tokens and --batch-tokens must be at least 1".into());
     }
-    if let Some(&tap) = options.taps.iter().find(|&&t| t >= layers) {
+    if let Some(&tap) = o.taps.iter().find(|&&t| t >= layers) {
         return invalid(format!(
             "--layers {tap}: the target has {layers} layers, so taps run from 0 to {}",
             layers - 1
         ));
     }
-    if options
-        .regenerate
+    if o.regenerate
         .is_some_and(|r| r.batch == 0 || r.max_turns == Some(0))
     {
         return invalid("--regen-batch and --regen-turns must be at least 1".into());
     }
-    if !(0.0..=1.0).contains(&options.held_out_fraction) {
+    if !(0.0..=1.0).contains(&o.held_out_fraction) {
         return invalid(format!(
             "held-out fraction {} is not in [0, 1]",
-            options.held_out_fraction
+            o.held_out_fraction
         ));
     }
     Ok(())
@@ -244,14 +234,7 @@ fn settings(target: &Target, options: &PrepareOptions) -> Result<Settings> {
             bytes: corpus_bytes,
             sha256: file_sha256(&options.data)?,
         },
-        max_seqs: options.max_seqs,
-        max_len: options.max_len,
-        held_out_fraction: options.held_out_fraction,
-        regenerate: options.regenerate,
-        taps: options.taps.clone(),
-        dtype: options.dtype,
-        shard_tokens: options.shard_tokens,
-        batch_tokens: options.batch_tokens,
+        extraction: options.settings.clone(),
         device_type: if target.device.is_cuda() {
             "cuda"
         } else {
@@ -297,7 +280,7 @@ fn read_conversations(
     let corpus = read_corpus(&options.data, options.format)?;
     observer.message(&format!("{}: {}", options.data.display(), corpus.report));
     let (unique, mut duplicates_dropped) = dedupe(corpus.conversations);
-    let mut unique = match &options.regenerate {
+    let mut unique = match &options.settings.regenerate {
         Some(regen) => {
             let (kept, dropped) = dedupe_for_regeneration(unique, regen.max_turns);
             duplicates_dropped += dropped;
@@ -305,7 +288,7 @@ fn read_conversations(
         }
         None => unique,
     };
-    unique.truncate(options.max_seqs.unwrap_or(usize::MAX));
+    unique.truncate(options.settings.max_seqs.unwrap_or(usize::MAX));
     let counts = Counts {
         corpus: corpus.report,
         duplicates_dropped,
@@ -331,7 +314,7 @@ fn format_all(
     let formatter = ChatFormatter::new(template, &target.tokenizer, end_of_turn)?;
     let mut sequences = Vec::new();
     for conversation in conversations {
-        let sequence = match formatter.format(conversation, options.max_len) {
+        let sequence = match formatter.format(conversation, options.settings.max_len) {
             Ok(sequence) => sequence,
             Err(e) => {
                 if counts.format_errors < 3 {
@@ -346,7 +329,7 @@ fn format_all(
             counts.no_assistant_tokens += 1;
             continue;
         }
-        let split = match split_of(conversation, options.held_out_fraction)? {
+        let split = match split_of(conversation, options.settings.held_out_fraction)? {
             Split::Train => ShardSplit::Train,
             Split::HeldOut => ShardSplit::HeldOut,
         };
@@ -438,8 +421,8 @@ fn extraction_plan(
     };
     let tokens = tokens_of(plan);
     // Per token: ids (4) + mask (1) + hidden and taps; per sequence: one offset (8).
-    let per_token =
-        5 + settings.target.hidden_size * (1 + settings.taps.len()) * settings.dtype.bytes();
+    let e = &settings.extraction;
+    let per_token = 5 + settings.target.hidden_size * (1 + e.taps.len()) * e.dtype.bytes();
     ExtractionPlan {
         sequences: sequences.len(),
         tokens,
@@ -466,16 +449,18 @@ fn write_shard(
         .map(|&i| &sequences[i].sequence)
         .collect();
     let ids: Vec<&[u32]> = members.iter().map(|s| s.input_ids.as_slice()).collect();
+    let e = &settings.extraction;
     let extractor = FeatureExtractor {
         model: &target.model.model,
         device: target.device,
-        taps: &settings.taps,
-        batch_tokens: settings.batch_tokens,
-        output_kind: settings.dtype.kind(),
+        taps: &e.taps,
+        batch_tokens: e.batch_tokens,
+        output_kind: e.dtype.kind(),
+        cpu: target.cpu.batch(),
     };
     let lengths: Vec<usize> = ids.iter().map(|s| s.len()).collect();
     let mut features: Vec<Option<ExtractedFeatures>> = (0..ids.len()).map(|_| None).collect();
-    for batch in length_buckets(&lengths, settings.batch_tokens) {
+    for batch in length_buckets(&lengths, e.batch_tokens) {
         let extracted = extractor.run_batch(&ids, &batch)?;
         observer.batch_extracted(batch.len(), batch.iter().map(|&i| lengths[i]).sum());
         for (i, f) in batch.into_iter().zip(extracted) {
@@ -486,9 +471,9 @@ fn write_shard(
         .into_iter()
         .map(|f| f.expect("every member is in a batch"))
         .collect();
-    let data = assemble(shard, sequences, &members, &features, settings.taps.len());
+    let data = assemble(shard, sequences, &members, &features, e.taps.len());
     let path = out.join(&shard.file);
-    let bytes = data.to_bytes(&settings.taps, &path)?;
+    let bytes = data.to_bytes(&e.taps, &path)?;
     let written = write_bytes_atomically(&path, &bytes)?;
     Ok(ShardEntry {
         file: shard.file.clone(),

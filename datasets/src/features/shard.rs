@@ -17,7 +17,8 @@ use serde::{Deserialize, Serialize};
 use tch::{Kind, Tensor};
 
 use crate::error::{DatasetError, Result};
-use crate::features::manifest::{FeatureDtype, FEATURES_FORMAT};
+use crate::features::manifest::FEATURES_FORMAT;
+use headway_model::Dtype;
 
 /// The sequences of one shard, as stored.
 #[derive(Debug)]
@@ -185,7 +186,7 @@ impl ShardData {
 pub struct ShardLayout {
     pub hidden_size: usize,
     pub taps: Vec<usize>,
-    pub dtype: FeatureDtype,
+    pub dtype: Dtype,
 }
 
 fn tap_name(layer: usize) -> String {

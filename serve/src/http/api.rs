@@ -1,7 +1,10 @@
-//! OpenAI request and response shapes, and the validation that turns a request into a job.
+//! OpenAI request and response shapes, the validation that turns a request into a job, and the
+//! one place where errors become OpenAI's error body and an HTTP status.
 
 use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
+use headway_engine::EngineError;
+use headway_model::{ModelError, SamplingParams};
 use serde::{Deserialize, Serialize};
 
 /// An error in OpenAI's body shape: `{"error": {"message", "type", "param", "code"}}`.
@@ -34,19 +37,68 @@ impl ApiError {
             code: None,
         }
     }
-}
 
-impl IntoResponse for ApiError {
-    fn into_response(self) -> Response {
-        let body = serde_json::json!({
+    /// OpenAI's error body: `{"error": {"message", "type", "param", "code"}}` (the JSON answer
+    /// and the last event of a stream alike).
+    pub fn body(&self) -> serde_json::Value {
+        serde_json::json!({
             "error": {
                 "message": self.message,
                 "type": self.kind,
                 "param": self.param,
                 "code": self.code,
             }
-        });
-        (self.status, axum::Json(body)).into_response()
+        })
+    }
+}
+
+impl IntoResponse for ApiError {
+    fn into_response(self) -> Response {
+        (self.status, axum::Json(self.body())).into_response()
+    }
+}
+
+/// An engine error as the client sees it: 400 when the request is at fault (a prompt that does
+/// not fit, an invalid setting), else 500.
+impl From<&EngineError> for ApiError {
+    fn from(error: &EngineError) -> Self {
+        let param = match error {
+            EngineError::Invalid { field, .. }
+            | EngineError::Model(ModelError::Invalid { field, .. }) => Some(*field),
+            _ => None,
+        };
+        let status = if error.is_invalid_request() {
+            StatusCode::BAD_REQUEST
+        } else {
+            StatusCode::INTERNAL_SERVER_ERROR
+        };
+        let kind = match status {
+            StatusCode::BAD_REQUEST => "invalid_request_error",
+            _ => "server_error",
+        };
+        Self {
+            status,
+            message: error.to_string(),
+            kind,
+            param,
+            code: None,
+        }
+    }
+}
+
+/// A sampling setting the request got wrong, named.
+impl From<ModelError> for ApiError {
+    fn from(error: ModelError) -> Self {
+        match error {
+            ModelError::Invalid { field, message } => {
+                Self::invalid(field, format!("{field} = {message}"))
+            }
+            other => Self::new(
+                StatusCode::INTERNAL_SERVER_ERROR,
+                "server_error",
+                other.to_string(),
+            ),
+        }
     }
 }
 
@@ -74,6 +126,8 @@ pub struct GenerationFields {
     pub top_p: Option<f64>,
     /// Extension: keep only the K most likely tokens.
     pub top_k: Option<i64>,
+    /// Extension (vLLM's): keep only tokens at least this fraction as likely as the top one.
+    pub min_p: Option<f64>,
     pub seed: Option<i64>,
     pub stop: Option<StopField>,
     pub n: Option<i64>,
@@ -148,10 +202,7 @@ pub fn fields<T: serde::de::DeserializeOwned>(body: &serde_json::Value) -> Resul
 #[derive(Debug, Clone)]
 pub struct Settings {
     pub max_tokens: Option<usize>,
-    pub temperature: f64,
-    pub top_p: f64,
-    pub top_k: usize,
-    pub seed: u64,
+    pub sampling: SamplingParams,
     pub stop: Vec<String>,
     pub stream: bool,
     pub include_usage: bool,
@@ -182,20 +233,6 @@ impl GenerationFields {
             }
             Some(m) => Some(m as usize),
         };
-        let temperature = self.temperature.unwrap_or(DEFAULT_TEMPERATURE);
-        if !(0.0..=2.0).contains(&temperature) {
-            return Err(ApiError::invalid(
-                "temperature",
-                format!("temperature = {temperature}: must be between 0 and 2"),
-            ));
-        }
-        let top_p = self.top_p.unwrap_or(1.0);
-        if !(top_p > 0.0 && top_p <= 1.0) {
-            return Err(ApiError::invalid(
-                "top_p",
-                format!("top_p = {top_p}: must be in (0, 1]"),
-            ));
-        }
         let top_k = match self.top_k {
             Some(k) if k < 0 => {
                 return Err(ApiError::invalid(
@@ -206,6 +243,13 @@ impl GenerationFields {
             Some(k) => k as usize,
             None => 0,
         };
+        let sampling = SamplingParams::new(
+            self.temperature.unwrap_or(DEFAULT_TEMPERATURE),
+            top_k,
+            self.top_p.unwrap_or(1.0),
+            self.min_p.unwrap_or(0.0),
+            self.seed.unwrap_or(0) as u64,
+        )?;
         let stop = match &self.stop {
             None => Vec::new(),
             Some(StopField::One(s)) => vec![s.clone()],
@@ -219,10 +263,7 @@ impl GenerationFields {
         }
         Ok(Settings {
             max_tokens,
-            temperature,
-            top_p,
-            top_k,
-            seed: self.seed.unwrap_or(0) as u64,
+            sampling,
             stop,
             stream: self.stream.unwrap_or(false),
             include_usage: self
@@ -286,4 +327,55 @@ pub struct Speculative {
     pub accepted_tokens: usize,
     /// Tokens per target forward (plain decoding: 1).
     pub tau: f64,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Engine errors map to a status in one place: the request's fault is a 400 naming the field,
+    /// anything else a 500; the JSON answer and a stream's last event carry the same body.
+    #[test]
+    fn engine_errors_get_the_status_of_their_kind() {
+        let request = EngineError::Model(ModelError::Invalid {
+            field: "max_new_tokens",
+            message: "too many".into(),
+        });
+        let error = ApiError::from(&request);
+        assert_eq!(error.status, StatusCode::BAD_REQUEST);
+        assert_eq!(error.body()["error"]["param"], "max_new_tokens");
+        assert_eq!(error.body()["error"]["type"], "invalid_request_error");
+        let server = EngineError::file("/heads/model.safetensors", "unreadable");
+        let error = ApiError::from(&server);
+        assert_eq!(error.status, StatusCode::INTERNAL_SERVER_ERROR);
+        assert_eq!(error.body()["error"]["type"], "server_error");
+        assert!(error.body()["error"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("unreadable"));
+    }
+
+    #[test]
+    fn sampling_fields_are_checked_by_the_one_sampling_type() {
+        let fields =
+            |json: serde_json::Value| -> GenerationFields { serde_json::from_value(json).unwrap() };
+        let settings = fields(serde_json::json!({"temperature": 0.5, "min_p": 0.2, "top_k": 4}))
+            .validate(64)
+            .unwrap();
+        assert_eq!(
+            settings.sampling,
+            SamplingParams::new(0.5, 4, 1.0, 0.2, 0).unwrap()
+        );
+        for (json, field) in [
+            (serde_json::json!({"min_p": 1.5}), "min_p"),
+            (serde_json::json!({"top_p": 0}), "top_p"),
+            (serde_json::json!({"temperature": -0.1}), "temperature"),
+            (serde_json::json!({"top_k": -1}), "top_k"),
+        ] {
+            let error = fields(json).validate(64).unwrap_err();
+            assert_eq!(error.status, StatusCode::BAD_REQUEST);
+            assert_eq!(error.param, Some(field));
+            assert!(error.message.contains(field), "{}", error.message);
+        }
+    }
 }

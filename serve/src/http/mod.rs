@@ -24,7 +24,7 @@ use axum::response::sse::{Event as SseEvent, Sse};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Json, Router};
-use headway_model::{ChatTemplate, Message, SamplingParams, TextTokenizer};
+use headway_model::{ChatTemplate, Message, TextTokenizer};
 use tokio::sync::mpsc::UnboundedReceiver;
 use tokio_stream::wrappers::UnboundedReceiverStream;
 use tokio_stream::StreamExt;
@@ -42,7 +42,7 @@ pub struct HttpArgs {
     #[command(flatten)]
     pub target: headway_model::TargetArgs,
     #[command(flatten)]
-    pub draft: crate::methods::DraftArgs,
+    pub draft: crate::options::DraftArgs,
     /// Address to bind (loopback by default: put a proxy in front to expose it).
     #[arg(long, default_value = "127.0.0.1")]
     pub host: String,
@@ -340,12 +340,7 @@ async fn generate(
             .unwrap_or(state.default_max_tokens)
             .min(room),
         prompt_ids,
-        sampling: SamplingParams {
-            temperature: settings.temperature,
-            top_k: settings.top_k,
-            top_p: settings.top_p,
-            seed: settings.seed,
-        },
+        sampling: settings.sampling,
         stop: settings.stop.clone(),
         events,
         arrived: Instant::now(),
@@ -471,7 +466,7 @@ impl Reply {
         while let Some(event) = receiver.recv().await {
             match event {
                 Event::Text(piece) => text.push_str(&piece),
-                Event::Failed(message) => return Err(engine_error(message)),
+                Event::Failed(error) => return Err(error),
                 Event::Done(finished) => {
                     let mut body = self.body(
                         self.choice(Some(&text), Some(finished.finish_reason), false),
@@ -484,7 +479,11 @@ impl Reply {
                 }
             }
         }
-        Err(engine_error("the engine stopped before finishing".into()))
+        Err(ApiError::new(
+            StatusCode::INTERNAL_SERVER_ERROR,
+            "server_error",
+            "the engine stopped before finishing",
+        ))
     }
 
     fn stream(
@@ -503,7 +502,8 @@ impl Reply {
             let body = match event {
                 Event::Text(piece) => reply.body(reply.choice(Some(&piece), None, true), true),
                 Event::Done(finished) => {
-                    let mut body = reply.body(reply.choice(None, Some(finished.finish_reason), true), true);
+                    let mut body =
+                        reply.body(reply.choice(None, Some(finished.finish_reason), true), true);
                     let (usage, speculative) = reply.usage(&finished);
                     if include_usage {
                         body["usage"] = serde_json::json!(usage);
@@ -511,9 +511,7 @@ impl Reply {
                     body["speculative"] = serde_json::json!(speculative);
                     body
                 }
-                Event::Failed(message) => serde_json::json!({
-                    "error": {"message": message, "type": "server_error", "param": null, "code": null}
-                }),
+                Event::Failed(error) => error.body(),
             };
             SseEvent::default().data(body.to_string())
         });
@@ -523,10 +521,6 @@ impl Reply {
             .map(Ok);
         Sse::new(stream)
     }
-}
-
-fn engine_error(message: String) -> ApiError {
-    ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, "server_error", message)
 }
 
 fn unix_time() -> u64 {

@@ -9,14 +9,17 @@ use std::sync::mpsc::{Receiver, SyncSender, TrySendError};
 use std::sync::Arc;
 use std::time::Instant;
 
+use headway_engine::acceptance::Acceptance;
+use headway_engine::drafters::Drafter;
+use headway_engine::engine::generate_speculative;
+use headway_engine::DraftPlan;
 use headway_model::{Sampler, SamplingParams, StopReason, Target, TargetArgs};
 use tokio::sync::mpsc::UnboundedSender;
 
+use super::api::ApiError;
 use super::metrics::Metrics;
 use super::stop::StopMatcher;
-use crate::acceptance::Acceptance;
-use crate::engine::generate_speculative;
-use crate::methods::{DraftArgs, DraftResources};
+use crate::options::DraftArgs;
 
 /// One request for the engine.
 pub struct Job {
@@ -34,7 +37,7 @@ pub struct Job {
 pub enum Event {
     Text(String),
     Done(Finished),
-    Failed(String),
+    Failed(ApiError),
 }
 
 #[derive(Debug, Clone)]
@@ -71,31 +74,28 @@ impl Engine {
         metrics: Arc<Metrics>,
     ) -> anyhow::Result<Self> {
         let (queue, jobs) = std::sync::mpsc::sync_channel::<Job>(max_queue);
-        let (ready_tx, ready_rx) = std::sync::mpsc::channel::<Result<String, String>>();
-        let method = draft_args.label();
+        let (ready_tx, ready_rx) = std::sync::mpsc::channel::<Result<(String, String), String>>();
         let acceptance = draft_args.acceptance();
         let thread = std::thread::Builder::new()
             .name("headway-engine".into())
             .spawn(move || {
-                let setup = || -> anyhow::Result<(Target, DraftResources)> {
+                let setup = || -> anyhow::Result<(Target, DraftPlan)> {
                     let target = target_args.load()?;
-                    let mut resources = DraftResources::load(&draft_args, &target)?;
                     let warm_up = target.tokenizer.encode(WARM_UP_PROMPT, true)?;
-                    resources.tune(&draft_args, &target, &[warm_up])?;
-                    if let Some(tuned) = &resources.tuned {
-                        tracing::info!("{}", tuned.describe());
+                    let (plan, tuning) = draft_args.plan(&target, &[warm_up])?;
+                    if let Some(tuning) = &tuning {
+                        tracing::info!("{}", tuning.describe());
                     }
-                    Ok((target, resources))
+                    Ok((target, plan))
                 };
-                let (target, resources) = match setup() {
+                let (target, plan) = match setup() {
                     Ok(loaded) => loaded,
                     Err(e) => {
                         let _ = ready_tx.send(Err(format!("{e:#}")));
                         return;
                     }
                 };
-                let drafter = resources.drafter(&draft_args, &target, max_context + 1);
-                let mut drafter = match drafter {
+                let mut drafter = match plan.drafter(&target, max_context + 1) {
                     Ok(d) => d,
                     Err(e) => {
                         let _ = ready_tx.send(Err(e.to_string()));
@@ -106,10 +106,10 @@ impl Engine {
                     .dir
                     .file_name()
                     .map_or("target".into(), |n| n.to_string_lossy().into_owned());
-                let _ = ready_tx.send(Ok(name));
+                let _ = ready_tx.send(Ok((name, plan.label())));
                 serve_jobs(&target, drafter.as_mut(), acceptance, &jobs, &metrics);
             })?;
-        let model_name = ready_rx
+        let (model_name, method) = ready_rx
             .recv()
             .map_err(|_| anyhow::anyhow!("the engine thread stopped while loading"))?
             .map_err(|e| anyhow::anyhow!(e))?;
@@ -139,7 +139,7 @@ const WARM_UP_PROMPT: &str = "Explain in a few sentences how a hash map works an
 
 fn serve_jobs(
     target: &Target,
-    drafter: &mut dyn crate::drafters::Drafter,
+    drafter: &mut dyn Drafter,
     acceptance: Acceptance,
     jobs: &Receiver<Job>,
     metrics: &Metrics,
@@ -157,7 +157,7 @@ fn serve_jobs(
 
 fn run_job(
     target: &Target,
-    drafter: &mut dyn crate::drafters::Drafter,
+    drafter: &mut dyn Drafter,
     acceptance: Acceptance,
     job: Job,
     metrics: &Metrics,
@@ -190,7 +190,7 @@ fn run_job(
     let out = match result {
         Ok(out) => out,
         Err(e) => {
-            let _ = job.events.send(Event::Failed(e.to_string()));
+            let _ = job.events.send(Event::Failed(ApiError::from(&e)));
             return;
         }
     };

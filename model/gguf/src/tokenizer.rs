@@ -24,7 +24,7 @@ use tokenizers::processors::template::TemplateProcessing;
 use tokenizers::{AddedToken, PreTokenizerWrapper, SplitDelimiterBehavior, Tokenizer};
 
 use super::file::GgufFile;
-use crate::{ModelError, Result};
+use headway_model::{ModelError, Result};
 
 /// GGUF token types (llama.cpp's `llama_token_type`) that become added tokens.
 const TOKEN_TYPE_CONTROL: i64 = 3;

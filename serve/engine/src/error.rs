@@ -1,15 +1,16 @@
-//! Errors of the serving library.
+//! Errors of the engine.
 
 use std::path::PathBuf;
 
 use headway_model::ModelError;
 
 #[derive(Debug, thiserror::Error)]
-pub enum ServeError {
+pub enum EngineError {
     #[error(transparent)]
     Model(#[from] ModelError),
     #[error("{path}: {message}")]
     File { path: PathBuf, message: String },
+    /// A request or setting the engine cannot run (named by `field`).
     #[error("invalid {field}: {message}")]
     Invalid {
         field: &'static str,
@@ -23,9 +24,18 @@ pub enum ServeError {
     Torch(#[from] tch::TchError),
 }
 
-pub type Result<T, E = ServeError> = std::result::Result<T, E>;
+pub type Result<T, E = EngineError> = std::result::Result<T, E>;
 
-impl ServeError {
+impl EngineError {
+    /// Whether the request (its prompt, its settings) is at fault rather than the engine or its
+    /// files: the HTTP server answers these with 400 instead of 500.
+    pub fn is_invalid_request(&self) -> bool {
+        matches!(
+            self,
+            Self::Invalid { .. } | Self::Model(ModelError::Invalid { .. } | ModelError::Input(_))
+        )
+    }
+
     pub fn file(path: impl Into<PathBuf>, message: impl std::fmt::Display) -> Self {
         Self::File {
             path: path.into(),

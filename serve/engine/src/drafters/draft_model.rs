@@ -4,16 +4,16 @@
 
 use std::rc::Rc;
 
-use headway_model::mask::positions;
-use headway_model::{ForwardInput, KvCache, Sampler, Target};
+use headway_model::{CpuPolicy, ForwardInput, KvCache, Sampler, Target, TreeInput};
 use tch::Tensor;
 
 use super::{Drafter, Verified};
-use crate::error::{Result, ServeError};
+use crate::error::{EngineError, Result};
 use crate::tree::{DraftTree, Proposal};
 
 pub struct DraftModelDrafter<'m> {
     model: &'m Target,
+    cpu: CpuPolicy,
     cache: KvCache,
     /// The tokens whose keys and values are in `cache`, in order.
     cached: Vec<u32>,
@@ -31,7 +31,7 @@ impl<'m> DraftModelDrafter<'m> {
         let (draft_vocab, target_vocab) =
             (model.tokenizer.vocab_size(), target.tokenizer.vocab_size());
         if draft_vocab != target_vocab {
-            return Err(ServeError::Invalid {
+            return Err(EngineError::Invalid {
                 field: "draft model",
                 message: format!(
                     "{} has a tokenizer of {draft_vocab} tokens, the target {} one of {target_vocab}: a draft model must share the target's tokenizer",
@@ -45,6 +45,7 @@ impl<'m> DraftModelDrafter<'m> {
         let cache = KvCache::new(model.model.config(), 1, capacity, model.kind, model.device)?;
         Ok(Self {
             model,
+            cpu: model.cpu.decode(),
             cache,
             cached: Vec::new(),
             num_tokens,
@@ -53,28 +54,19 @@ impl<'m> DraftModelDrafter<'m> {
 
     /// Feeds `tokens` after the cache and returns the logits `[vocab]` at the last one.
     fn feed(&mut self, tokens: &[u32]) -> Result<Tensor> {
-        let ids: Vec<i64> = tokens.iter().map(|&t| i64::from(t)).collect();
-        let device = self.model.device;
-        let input_ids = Tensor::from_slice(&ids).unsqueeze(0).to_device(device);
-        let positions = positions(self.cache.len(), ids.len(), device);
-        let input = ForwardInput {
-            input_ids: &input_ids,
-            positions: &positions,
-            mask: None,
-            taps: &[],
-        };
+        let input = TreeInput::causal(self.cache.len(), tokens, self.model.device);
         let hidden = self
             .model
             .model
             .model
-            .forward(&input, Some(&mut self.cache))?
+            .forward(
+                &ForwardInput::new(&input, &[], &self.cpu),
+                Some(&mut self.cache),
+            )?
             .hidden;
         self.cached.extend_from_slice(tokens);
-        Ok(self
-            .model
-            .model
-            .lm_head
-            .forward(&hidden.get(0).get(ids.len() as i64 - 1)))
+        let last = hidden.get(0).get(tokens.len() as i64 - 1);
+        Ok(self.model.model.lm_head.forward(&last, &self.cpu))
     }
 }
 

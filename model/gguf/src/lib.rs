@@ -26,27 +26,10 @@ use std::path::{Path, PathBuf};
 
 use serde::Serialize;
 
-use crate::files::{write_atomically, write_bytes_atomically};
-use crate::{ModelError, Result};
 use file::GgufFile;
+use headway_model::files::{write_atomically, write_bytes_atomically};
+use headway_model::{Dtype, ModelError, Result};
 use hf_config::GgufArchitecture;
-
-/// The dtype of the weights in the written `model.safetensors`.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
-pub enum OutputDtype {
-    F32,
-    Bf16,
-}
-
-impl OutputDtype {
-    /// The name HF's `torch_dtype` field uses.
-    fn torch_name(self) -> &'static str {
-        match self {
-            Self::F32 => "float32",
-            Self::Bf16 => "bfloat16",
-        }
-    }
-}
 
 /// What a conversion produced.
 #[derive(Debug, Clone)]
@@ -80,7 +63,7 @@ const TOKENIZER_CONFIG_FILE: &str = "tokenizer_config.json";
 /// metadata and tensor types the converter cannot dequantise; [`ModelError::MissingWeight`] for
 /// absent tensors; [`ModelError::UnsupportedArchitecture`] for architectures other than llama,
 /// qwen2 and qwen3.
-pub fn convert_gguf(gguf: &Path, out_dir: &Path, dtype: OutputDtype) -> Result<ConvertSummary> {
+pub fn convert_gguf(gguf: &Path, out_dir: &Path, dtype: Dtype) -> Result<ConvertSummary> {
     let mut file = GgufFile::open(gguf)?;
     let arch = GgufArchitecture::from_file(&file)?;
     let config = hf_config::build(&mut file, arch, dtype)?;

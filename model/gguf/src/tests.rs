@@ -6,13 +6,14 @@ use std::path::{Path, PathBuf};
 use candle_core::quantized::gguf_file::{self, Value};
 use candle_core::quantized::{GgmlDType, QTensor};
 use candle_core::{Device, Tensor};
-use safetensors::{Dtype, SafeTensors};
+use safetensors::SafeTensors;
 
+use super::convert_gguf;
 use super::hf_config::{llama3_divisor, llama3_scaling_from_divisors, Llama3RopeScaling};
 use super::tensors::unpermute_rotary_rows;
 use super::tokenizer::{byte_alphabet, byte_level_spelling};
-use super::{convert_gguf, OutputDtype};
-use crate::ModelError;
+use headway_model::Dtype;
+use headway_model::ModelError;
 
 const LAYERS: usize = 2;
 const HIDDEN: usize = 32;
@@ -326,7 +327,7 @@ fn write_model(model: &SyntheticGguf) -> (tempfile::TempDir, PathBuf) {
 
 fn convert_error(model: &SyntheticGguf) -> String {
     let (dir, path) = write_model(model);
-    convert_gguf(&path, &dir.path().join("out"), OutputDtype::F32)
+    convert_gguf(&path, &dir.path().join("out"), Dtype::F32)
         .expect_err("conversion must fail")
         .to_string()
 }
@@ -337,7 +338,7 @@ fn read_json(path: &Path) -> serde_json::Value {
 
 fn f32_values(tensors: &SafeTensors<'_>, name: &str) -> Vec<f32> {
     let view = tensors.tensor(name).expect("tensor in safetensors");
-    assert_eq!(view.dtype(), Dtype::F32, "{name}");
+    assert_eq!(view.dtype(), safetensors::Dtype::F32, "{name}");
     view.data()
         .chunks_exact(4)
         .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
@@ -349,7 +350,7 @@ fn llama_gguf_converts_to_a_directory_the_runtime_loads() {
     let model = SyntheticGguf::llama();
     let (dir, path) = write_model(&model);
     let out = dir.path().join("out");
-    let summary = convert_gguf(&path, &out, OutputDtype::F32).expect("convert");
+    let summary = convert_gguf(&path, &out, Dtype::F32).expect("convert");
 
     assert_eq!(summary.architecture, "LlamaForCausalLM");
     assert_eq!(summary.tensors, model.tensors.len());
@@ -386,7 +387,7 @@ fn llama_gguf_converts_to_a_directory_the_runtime_loads() {
     assert_eq!(config["eos_token_id"], 2);
     assert_eq!(config["torch_dtype"], "float32");
     assert!(config.get("rope_scaling").is_none());
-    let runtime_config = crate::config::ModelConfig::from_dir(&out).expect("runtime config");
+    let runtime_config = headway_model::ModelConfig::from_dir(&out).expect("runtime config");
     assert_eq!(runtime_config.head_dim, HEAD_DIM);
 
     let bytes = std::fs::read(out.join("model.safetensors")).expect("read safetensors");
@@ -455,13 +456,13 @@ fn bf16_output_rounds_every_tensor_to_bfloat16() {
     let model = SyntheticGguf::llama();
     let (dir, path) = write_model(&model);
     let out = dir.path().join("out");
-    convert_gguf(&path, &out, OutputDtype::Bf16).expect("convert");
+    convert_gguf(&path, &out, Dtype::Bf16).expect("convert");
     let bytes = std::fs::read(out.join("model.safetensors")).expect("read safetensors");
     let tensors = SafeTensors::deserialize(&bytes).expect("parse safetensors");
     assert!(tensors
         .tensors()
         .iter()
-        .all(|(_, view)| view.dtype() == Dtype::BF16));
+        .all(|(_, view)| view.dtype() == safetensors::Dtype::BF16));
     let q = tensors
         .tensor("model.layers.0.self_attn.q_proj.weight")
         .expect("q_proj");
@@ -487,7 +488,7 @@ fn qwen2_rows_stay_unpermuted_and_biases_are_kept() {
     let model = SyntheticGguf::new("qwen2");
     let (dir, path) = write_model(&model);
     let out = dir.path().join("out");
-    let summary = convert_gguf(&path, &out, OutputDtype::F32).expect("convert");
+    let summary = convert_gguf(&path, &out, Dtype::F32).expect("convert");
     assert_eq!(summary.architecture, "Qwen2ForCausalLM");
     assert_eq!(read_json(&out.join("config.json"))["attention_bias"], true);
     let bytes = std::fs::read(out.join("model.safetensors")).expect("read safetensors");
@@ -516,7 +517,7 @@ fn output_weight_unties_the_lm_head() {
     );
     let (dir, path) = write_model(&model);
     let out = dir.path().join("out");
-    convert_gguf(&path, &out, OutputDtype::F32).expect("convert");
+    convert_gguf(&path, &out, Dtype::F32).expect("convert");
     assert_eq!(
         read_json(&out.join("config.json"))["tie_word_embeddings"],
         false
@@ -626,7 +627,7 @@ fn rope_freqs_tensor_becomes_rope_scaling_in_the_config() {
     });
     let (dir, path) = write_model(&model);
     let out = dir.path().join("out");
-    convert_gguf(&path, &out, OutputDtype::F32).expect("convert");
+    convert_gguf(&path, &out, Dtype::F32).expect("convert");
     let config = read_json(&out.join("config.json"));
     assert_eq!(
         config["rope_scaling"],
@@ -677,7 +678,7 @@ fn unknown_tensor_type_code_is_reported() {
     let (dir, path) = write_model(&model);
     const IQ4_XS: u32 = 23;
     patch_tensor_type(&path, "blk.0.ffn_up.weight", 2, IQ4_XS);
-    let message = convert_gguf(&path, &dir.path().join("out"), OutputDtype::F32)
+    let message = convert_gguf(&path, &dir.path().join("out"), Dtype::F32)
         .expect_err("unknown type")
         .to_string();
     assert!(
@@ -691,7 +692,7 @@ fn unsupported_architecture_is_named() {
     let mut model = SyntheticGguf::llama();
     model.set_metadata("general.architecture", Value::String("gpt2".into()));
     let (dir, path) = write_model(&model);
-    let error = convert_gguf(&path, &dir.path().join("out"), OutputDtype::F32).expect_err("gpt2");
+    let error = convert_gguf(&path, &dir.path().join("out"), Dtype::F32).expect_err("gpt2");
     assert!(matches!(&error, ModelError::UnsupportedArchitecture { name, .. } if name == "gpt2"));
     assert!(error.to_string().contains("llama, qwen2, qwen3"), "{error}");
 }
@@ -707,7 +708,7 @@ fn truncated_tensor_data_is_reported_with_the_tensor() {
         .and_then(|f| f.set_len(len - 100))
         .expect("truncate");
     let out = dir.path().join("out");
-    let message = convert_gguf(&path, &out, OutputDtype::F32)
+    let message = convert_gguf(&path, &out, Dtype::F32)
         .expect_err("truncated")
         .to_string();
     assert!(
@@ -726,7 +727,7 @@ fn truncated_header_is_reported_with_the_file() {
         .open(&path)
         .and_then(|f| f.set_len(200))
         .expect("truncate");
-    let message = convert_gguf(&path, &dir.path().join("out"), OutputDtype::F32)
+    let message = convert_gguf(&path, &dir.path().join("out"), Dtype::F32)
         .expect_err("truncated")
         .to_string();
     assert!(

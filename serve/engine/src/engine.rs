@@ -8,9 +8,9 @@
 
 use std::time::Instant;
 
-use headway_model::mask::{positions, tree_mask};
 use headway_model::{
-    check_request, ForwardInput, Generation, KvCache, Sampler, SamplingParams, StopReason, Target,
+    check_request, CpuPolicy, ForwardInput, Generation, KvCache, Sampler, SamplingParams,
+    StopReason, Target, TreeInput,
 };
 use tch::{Kind, Tensor};
 
@@ -53,6 +53,8 @@ pub struct Session<'t> {
     /// Those taps at the positions cached by the last forward.
     fresh_taps: Vec<Tensor>,
     acceptance: Acceptance,
+    /// Decoding's CPU policy, for the prompt and every verification alike.
+    cpu: CpuPolicy,
 }
 
 impl<'t> Session<'t> {
@@ -85,12 +87,13 @@ impl<'t> Session<'t> {
             taps: drafter.taps().to_vec(),
             fresh_taps: Vec::new(),
             acceptance,
+            cpu: target.cpu.decode(),
         };
-        let (hidden, taps) = session.forward(prompt_ids, None)?;
+        let prompt = TreeInput::causal(0, prompt_ids, target.device);
+        let (hidden, taps) = session.forward(&prompt)?;
         let last = hidden.get(prompt_ids.len() as i64 - 1);
-        session
-            .tokens
-            .push(sampler.next_token(&target.model.lm_head.forward(&last)));
+        let logits = target.model.lm_head.forward(&last, &session.cpu);
+        session.tokens.push(sampler.next_token(&logits));
         session.fresh_hidden = hidden;
         session.fresh_taps = taps;
         Ok(session)
@@ -128,15 +131,13 @@ impl<'t> Session<'t> {
         let tree = tree.truncated(context.saturating_sub(prefix + 1));
         let draft_seconds = started.elapsed().as_secs_f64();
         let root = *self.tokens.last().expect("a session has tokens");
-        let input: Vec<u32> = std::iter::once(root)
-            .chain(tree.nodes().iter().map(|n| n.token))
-            .collect();
-        let (hidden, taps) = self.forward(&input, Some(&tree.verification_parents()))?;
+        let input = tree.verification_input(root, prefix, self.target.device)?;
+        let (hidden, taps) = self.forward(&input)?;
         let logits = self
             .target
             .model
             .lm_head
-            .forward(&hidden)
+            .forward(&hidden, &self.cpu)
             .to_kind(Kind::Float);
         let Accepted { path, bonus } = if sampler.params().is_greedy() {
             let argmax =
@@ -179,42 +180,14 @@ impl<'t> Session<'t> {
         })
     }
 
-    /// Runs `ids` after the cache (causally, or as a tree with `parents` in verification
-    /// numbering) and returns the final hidden states `[n, hidden]` and the drafter's taps (each
-    /// `[n, hidden]`).
-    fn forward(
-        &mut self,
-        ids: &[u32],
-        parents: Option<&[Option<usize>]>,
-    ) -> Result<(Tensor, Vec<Tensor>)> {
+    /// Runs `input` after the cache and returns the final hidden states `[n, hidden]` and the
+    /// drafter's taps (each `[n, hidden]`).
+    fn forward(&mut self, input: &TreeInput) -> Result<(Tensor, Vec<Tensor>)> {
         let _no_grad = tch::no_grad_guard();
-        let device = self.target.device;
-        let prefix = self.cache.len();
-        let input_ids = Tensor::from_slice(&ids.iter().map(|&t| i64::from(t)).collect::<Vec<_>>())
-            .unsqueeze(0)
-            .to_device(device);
-        let (positions, mask) = match parents {
-            Some(parents) if ids.len() > 1 => {
-                let depths = headway_model::mask::tree_depths(parents);
-                let positions: Vec<i64> = depths.iter().map(|&d| (prefix + d) as i64).collect();
-                let positions = Tensor::from_slice(&positions)
-                    .unsqueeze(0)
-                    .to_device(device);
-                (positions, Some(tree_mask(prefix, parents, device)?))
-            }
-            _ => (positions(prefix, ids.len(), device), None),
-        };
-        let input = ForwardInput {
-            input_ids: &input_ids,
-            positions: &positions,
-            mask: mask.as_ref(),
-            taps: &self.taps,
-        };
-        let output = self
-            .target
-            .model
-            .model
-            .forward(&input, Some(&mut self.cache))?;
+        let output = self.target.model.model.forward(
+            &ForwardInput::new(input, &self.taps, &self.cpu),
+            Some(&mut self.cache),
+        )?;
         let taps = output.taps.iter().map(|t| t.get(0)).collect();
         Ok((output.hidden.get(0), taps))
     }

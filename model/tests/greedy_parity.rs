@@ -3,7 +3,7 @@
 
 use headway_model::generate;
 use headway_model::testing::{fixture_path, real_target_dir};
-use headway_model::{Message, Target};
+use headway_model::{CpuThreads, Message, Target};
 use headway_model::{Sampler, SamplingParams};
 use serde::Deserialize;
 use tch::{Device, Kind};
@@ -23,7 +23,13 @@ struct GreedyCase {
 
 #[test]
 fn greedy_64_tokens_match_transformers_on_three_chat_prompts() {
-    let target = Target::load(&real_target_dir(), Kind::Float, Device::Cpu).unwrap();
+    let target = Target::load(
+        &real_target_dir(),
+        Kind::Float,
+        Device::Cpu,
+        CpuThreads::new(2),
+    )
+    .unwrap();
     let text = std::fs::read_to_string(fixture_path("greedy_reference.json")).unwrap();
     let fixture: GreedyFixture = serde_json::from_str(&text).unwrap();
     assert!(fixture.cases.len() >= 3 && fixture.max_new_tokens >= 64);

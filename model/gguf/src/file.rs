@@ -10,7 +10,7 @@ use candle_core::quantized::gguf_file::{Content, TensorInfo, Value};
 use candle_core::quantized::GgmlDType;
 use candle_core::Device;
 
-use crate::{ModelError, Result};
+use headway_model::{ModelError, Result};
 
 /// Tensor types the converter dequantises. candle can read a few more, but these are the ones
 /// llama.cpp's common presets produce and the ones the conversion is checked against.

@@ -1,89 +1,17 @@
-//! `headway-serve bench`: decoding methods measured the way Spec-Bench does.
-//!
-//! Every question is asked turn by turn: the second turn's prompt holds the model's own first
-//! answer. τ counts every new token per target forward, the bonus token and the prompt forward's
-//! token included, so plain decoding has τ = 1. Speedups compare with `ar` measured in the same
-//! run on the same prompts.
+//! What a benchmark run measured, per prompt, per category and overall, and how it is reported:
+//! JSON, a markdown table, and the prompts whose outputs differ between two runs.
 
 use std::collections::BTreeMap;
-use std::io::BufRead;
-use std::path::Path;
 
-use headway_model::{Message, Sampler, SamplingParams, Target};
+use headway_engine::engine::SpecGeneration;
 use serde::{Deserialize, Serialize};
 
-use crate::acceptance::Acceptance;
-use crate::drafters::Drafter;
-use crate::engine::{generate_speculative, SpecGeneration};
-use crate::error::{Result, ServeError};
-
-/// One Spec-Bench row.
-#[derive(Debug, Clone, Deserialize)]
-pub struct Question {
-    pub question_id: u64,
-    pub category: String,
-    pub turns: Vec<String>,
-}
-
-/// Reads a Spec-Bench `question.jsonl`; a malformed line is reported with its number.
-pub fn load_questions(path: &Path) -> Result<Vec<Question>> {
-    let file = std::fs::File::open(path).map_err(|e| ServeError::file(path, e))?;
-    let mut questions = Vec::new();
-    for (number, line) in std::io::BufReader::new(file).lines().enumerate() {
-        let line = line.map_err(|e| ServeError::file(path, e))?;
-        if line.trim().is_empty() {
-            continue;
-        }
-        let question: Question = serde_json::from_str(&line)
-            .map_err(|e| ServeError::file(path, format!("line {}: {e}", number + 1)))?;
-        if question.turns.is_empty() {
-            return Err(ServeError::file(
-                path,
-                format!("line {}: no turns", number + 1),
-            ));
-        }
-        questions.push(question);
-    }
-    Ok(questions)
-}
-
-/// `count` questions evenly spaced through the file (every `len / count`-th, starting at 0), so
-/// a subset still covers every category of the category-ordered file.
-pub fn spread(questions: &[Question], count: usize) -> Vec<Question> {
-    if count == 0 || questions.is_empty() {
-        return Vec::new();
-    }
-    let stride = (questions.len() / count).max(1);
-    questions
-        .iter()
-        .step_by(stride)
-        .take(count)
-        .cloned()
-        .collect()
-}
-
-/// The questions `--tree-tokens auto` warms up on: the first of each Spec-Bench category, in file
-/// order, so that the tuner's prediction weighs prompts that repeat their context (translation,
-/// rag) beside those that do not (the file opens with ten MT-bench writing questions).
-pub fn tuning_questions(questions: &[Question]) -> Vec<&Question> {
-    let mut seen = Vec::new();
-    questions
-        .iter()
-        .filter(|q| {
-            let category = spec_bench_category(&q.category);
-            let first = !seen.contains(&category);
-            if first {
-                seen.push(category);
-            }
-            first
-        })
-        .collect()
-}
+use super::questions::{spec_bench_category, QuestionId};
 
 /// Figures for one prompt (one turn of one question).
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct PromptResult {
-    pub question_id: u64,
+    pub question_id: QuestionId,
     pub category: String,
     /// 0 for the first turn.
     pub turn: usize,
@@ -191,102 +119,17 @@ impl MethodRun {
     pub fn mean_tree_depth(&self) -> f64 {
         self.depth_sum as f64 / self.steps.max(1) as f64
     }
-}
 
-/// Options of a run.
-#[derive(Debug, Clone, Copy)]
-pub struct BenchOptions {
-    pub max_new_tokens: usize,
-    /// Turns asked per question (Spec-Bench's multi-turn rows have 2).
-    pub turns: usize,
-    pub sampling: SamplingParams,
-    pub acceptance: Acceptance,
-}
-
-/// One short untimed generation, so that first-call costs (allocations, lazy set-up) stay out of
-/// the figures.
-pub fn warm_up(
-    target: &Target,
-    drafter: &mut dyn Drafter,
-    question: &Question,
-    options: &BenchOptions,
-) -> Result<()> {
-    let ids = target.chat_prompt_ids(&[Message::new("user", &question.turns[0])])?;
-    let mut sampler = Sampler::new(options.sampling);
-    generate_speculative(
-        target,
-        drafter,
-        &ids,
-        8,
-        options.acceptance,
-        &mut sampler,
-        &mut |_| true,
-    )?;
-    Ok(())
-}
-
-/// Runs `question` turn by turn with `drafter` (a later turn follows the model's own answer),
-/// adding every turn's figures to `run`.
-pub fn run_question(
-    target: &Target,
-    drafter: &mut dyn Drafter,
-    question: &Question,
-    options: &BenchOptions,
-    run: &mut MethodRun,
-    progress: &mut dyn FnMut(&PromptResult),
-) -> Result<()> {
-    let mut messages = Vec::new();
-    for (turn, text) in question.turns.iter().take(options.turns).enumerate() {
-        messages.push(Message::new("user", text));
-        let ids = target.chat_prompt_ids(&messages)?;
-        // The same seed for a prompt whatever the method, so sampled runs stay comparable.
-        let mut sampler = Sampler::new(SamplingParams {
-            seed: options.sampling.seed ^ (question.question_id << 8 | turn as u64),
-            ..options.sampling
-        });
-        let out = generate_speculative(
-            target,
-            drafter,
-            &ids,
-            options.max_new_tokens,
-            options.acceptance,
-            &mut sampler,
-            &mut |_| true,
-        )?;
+    /// Adds one generation's steps and its prompt's figures.
+    pub fn add(&mut self, out: &SpecGeneration, result: PromptResult) {
         for step in &out.steps {
-            run.depths.add(step.tree_depth, step.accepted());
-            run.draft_seconds += step.draft_seconds;
-            run.verify_seconds += step.verify_seconds;
-            run.depth_sum += step.tree_depth;
+            self.depths.add(step.tree_depth, step.accepted());
+            self.draft_seconds += step.draft_seconds;
+            self.verify_seconds += step.verify_seconds;
+            self.depth_sum += step.tree_depth;
         }
-        run.steps += out.steps.len();
-        let result = prompt_result(question, turn, ids.len(), &out);
-        messages.push(Message::new("assistant", &result.text));
-        progress(&result);
-        run.results.push(result);
-    }
-    Ok(())
-}
-
-fn prompt_result(
-    question: &Question,
-    turn: usize,
-    prompt_tokens: usize,
-    out: &SpecGeneration,
-) -> PromptResult {
-    let generation = &out.generation;
-    PromptResult {
-        question_id: question.question_id,
-        category: question.category.clone(),
-        turn,
-        prompt_tokens,
-        new_tokens: generation.tokens.len(),
-        seconds: generation.seconds,
-        prefill_seconds: generation.prefill_seconds,
-        target_forwards: out.steps.len() + 1,
-        accepted_tokens: out.steps.iter().map(|s| s.accepted()).sum(),
-        text: generation.text.clone(),
-        token_ids: generation.tokens.clone(),
+        self.steps += out.steps.len();
+        self.results.push(result);
     }
 }
 
@@ -326,27 +169,6 @@ pub struct BenchReport {
     pub overall: Comparison,
     pub per_category: BTreeMap<String, Comparison>,
     pub per_prompt: Vec<PromptResult>,
-}
-
-/// The Spec-Bench category a question's `category` belongs to: the 8 MT-bench categories
-/// (10 questions each) form Spec-Bench's one "multi-turn conversation" category, `mt_bench`;
-/// others are their own.
-pub fn spec_bench_category(category: &str) -> &str {
-    const MT_BENCH: [&str; 8] = [
-        "writing",
-        "roleplay",
-        "reasoning",
-        "math",
-        "coding",
-        "extraction",
-        "stem",
-        "humanities",
-    ];
-    if MT_BENCH.contains(&category) {
-        "mt_bench"
-    } else {
-        category
-    }
 }
 
 /// Builds the report of `run`, compared with `ar` when given.
@@ -462,7 +284,7 @@ pub fn markdown(report: &BenchReport) -> String {
 /// Prompts (question, turn) whose token ids differ between two reports, and prompts present in
 /// only one of them.
 pub fn differing_prompts(a: &BenchReport, b: &BenchReport) -> Vec<String> {
-    let key = |r: &PromptResult| (r.question_id, r.turn);
+    let key = |r: &PromptResult| (r.question_id.clone(), r.turn);
     let b_ids: BTreeMap<_, _> = b
         .per_prompt
         .iter()
@@ -505,44 +327,6 @@ pub fn differing_prompts(a: &BenchReport, b: &BenchReport) -> Vec<String> {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn mt_bench_categories_form_one_spec_bench_category() {
-        for mt_bench in ["writing", "roleplay", "math", "coding", "humanities"] {
-            assert_eq!(spec_bench_category(mt_bench), "mt_bench");
-        }
-        for own in [
-            "translation",
-            "summarization",
-            "qa",
-            "math_reasoning",
-            "rag",
-        ] {
-            assert_eq!(spec_bench_category(own), own);
-        }
-    }
-
-    #[test]
-    fn tuning_takes_the_first_question_of_each_spec_bench_category() {
-        let question = |question_id, category: &str| Question {
-            question_id,
-            category: category.into(),
-            turns: vec![String::new()],
-        };
-        let questions = [
-            question(1, "writing"),
-            question(2, "writing"),
-            question(3, "coding"),
-            question(4, "translation"),
-            question(5, "rag"),
-            question(6, "translation"),
-        ];
-        let ids: Vec<u64> = tuning_questions(&questions)
-            .iter()
-            .map(|q| q.question_id)
-            .collect();
-        assert_eq!(ids, [1, 4, 5]);
-    }
 
     #[test]
     fn depth_stats_count_only_depths_the_path_reached() {

@@ -182,11 +182,7 @@ mod tests {
     use std::rc::Rc;
 
     fn sampler(seed: u64) -> Sampler {
-        Sampler::new(SamplingParams {
-            temperature: 1.0,
-            seed,
-            ..Default::default()
-        })
+        Sampler::new(SamplingParams::new(1.0, 0, 1.0, 0.0, seed).unwrap())
     }
 
     fn random_distribution(rng: &mut StdRng, n: usize, zeros: usize) -> Vec<f32> {

@@ -2,16 +2,17 @@
 //! rank paths combines their top guesses.
 
 use headway_heads::MedusaHeads;
-use headway_model::Sampler;
+use headway_model::{CpuPolicy, Sampler};
 
 use super::{top_tokens, Drafter, Recording, Verified};
-use crate::error::{Result, ServeError};
+use crate::error::{EngineError, Result};
 use crate::tree::{DraftTree, TreeChoices};
 
 pub struct MedusaDrafter<'h> {
     heads: &'h MedusaHeads,
-    d2t: Option<Vec<u32>>,
+    d2t: Option<&'h [u32]>,
     choices: TreeChoices,
+    cpu: CpuPolicy,
     /// Every step's guesses while recording.
     records: Option<Vec<GuessRecord>>,
 }
@@ -30,15 +31,17 @@ pub struct GuessRecord {
 pub const RECORDED_RANKS: usize = 5;
 
 impl<'h> MedusaDrafter<'h> {
-    /// `heads` must be frozen ([`headway_heads::Params::freeze`]); the tree may be at most as deep
-    /// as there are heads.
+    /// `heads` must be frozen ([`headway_heads::Params::freeze`]); `d2t` maps their draft
+    /// vocabulary to target ids; the tree may be at most as deep as there are heads; they run
+    /// under `cpu` (the target's decoding policy).
     pub fn new(
         heads: &'h MedusaHeads,
-        d2t: Option<Vec<u32>>,
+        d2t: Option<&'h [u32]>,
         choices: TreeChoices,
+        cpu: CpuPolicy,
     ) -> Result<Self> {
         if choices.depth() > heads.config.num_heads {
-            return Err(ServeError::Invalid {
+            return Err(EngineError::Invalid {
                 field: "tree",
                 message: format!(
                     "the tree is {} deep but the checkpoint has {} Medusa heads",
@@ -51,6 +54,7 @@ impl<'h> MedusaDrafter<'h> {
             heads,
             d2t,
             choices,
+            cpu,
             records: None,
         })
     }
@@ -86,14 +90,14 @@ impl Drafter for MedusaDrafter<'_> {
         let ranks = self.choices.ranks_per_depth();
         let guesses = (0..heads)
             .map(|k| {
-                let logits = self.heads.head(k, &last)?;
+                let logits = self.heads.head(k, &last, &self.cpu)?;
                 let wanted = ranks.get(k).copied().unwrap_or(0);
                 let count = if recording {
                     wanted.max(RECORDED_RANKS)
                 } else {
                     wanted
                 };
-                Ok(top_tokens(&logits, count, self.d2t.as_deref()))
+                Ok(top_tokens(&logits, count, self.d2t))
             })
             .collect::<Result<Vec<_>>>()?;
         let tree = self.choices.build(&guesses);

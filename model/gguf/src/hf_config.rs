@@ -4,8 +4,8 @@
 use serde::Serialize;
 
 use super::file::GgufFile;
-use super::OutputDtype;
-use crate::{ModelError, Result};
+use headway_model::Dtype;
+use headway_model::{ModelError, Result};
 
 /// GGUF architectures the converter maps onto an HF architecture.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -115,7 +115,7 @@ const DEFAULT_ROPE_THETA: f64 = 10_000.0;
 pub(super) fn build(
     file: &mut GgufFile,
     arch: GgufArchitecture,
-    dtype: OutputDtype,
+    dtype: Dtype,
 ) -> Result<ConfigJson> {
     let hidden_size = positive(file, &arch.key("embedding_length"))?;
     let num_attention_heads = positive(file, &arch.key("attention.head_count"))?;

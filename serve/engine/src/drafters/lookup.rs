@@ -7,6 +7,7 @@ use super::{Drafter, Verified};
 use crate::error::Result;
 use crate::tree::{DraftTree, Proposal};
 
+#[derive(Debug, Clone, Copy)]
 pub struct LookupDrafter {
     /// Longest n-gram tried first, down to `min_ngram`.
     pub max_ngram: usize,

@@ -4,12 +4,12 @@
 use std::borrow::Cow;
 use std::collections::BTreeMap;
 
-use safetensors::{Dtype, View};
+use headway_model::Dtype;
+use safetensors::View;
 
 use super::file::{ggml_type_name, GgufFile};
 use super::hf_config::{ConfigJson, GgufArchitecture, ROPE_FREQS_TENSOR};
-use super::OutputDtype;
-use crate::{ModelError, Result};
+use headway_model::{ModelError, Result};
 
 /// Where one GGUF tensor goes and what it must look like.
 #[derive(Debug)]
@@ -173,15 +173,16 @@ fn check_required_present(
 /// A converted tensor, its bytes already in the output dtype.
 pub(super) struct OutputTensor {
     shape: Vec<usize>,
-    dtype: OutputDtype,
+    dtype: Dtype,
     bytes: Vec<u8>,
 }
 
 impl View for &OutputTensor {
-    fn dtype(&self) -> Dtype {
+    fn dtype(&self) -> safetensors::Dtype {
         match self.dtype {
-            OutputDtype::F32 => Dtype::F32,
-            OutputDtype::Bf16 => Dtype::BF16,
+            Dtype::F32 => safetensors::Dtype::F32,
+            Dtype::Bf16 => safetensors::Dtype::BF16,
+            Dtype::F16 => safetensors::Dtype::F16,
         }
     }
 
@@ -211,7 +212,7 @@ pub(super) struct ConvertedTensors {
 pub(super) fn convert(
     file: &mut GgufFile,
     plans: &[TensorPlan],
-    dtype: OutputDtype,
+    dtype: Dtype,
 ) -> Result<ConvertedTensors> {
     let mut converted = ConvertedTensors {
         tensors: BTreeMap::new(),
@@ -243,13 +244,17 @@ pub(super) fn convert(
     Ok(converted)
 }
 
-/// Little-endian bytes of `values` in `dtype`; bf16 rounds to nearest even, as torch does.
-fn encode(values: &[f32], dtype: OutputDtype) -> Vec<u8> {
+/// Little-endian bytes of `values` in `dtype`; bf16 and f16 round to nearest even, as torch does.
+fn encode(values: &[f32], dtype: Dtype) -> Vec<u8> {
     match dtype {
-        OutputDtype::F32 => values.iter().flat_map(|v| v.to_le_bytes()).collect(),
-        OutputDtype::Bf16 => values
+        Dtype::F32 => values.iter().flat_map(|v| v.to_le_bytes()).collect(),
+        Dtype::Bf16 => values
             .iter()
             .flat_map(|&v| half::bf16::from_f32(v).to_le_bytes())
+            .collect(),
+        Dtype::F16 => values
+            .iter()
+            .flat_map(|&v| half::f16::from_f32(v).to_le_bytes())
             .collect(),
     }
 }

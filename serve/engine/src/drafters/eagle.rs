@@ -11,11 +11,11 @@
 use headway_heads::eagle::EagleModules;
 use headway_heads::EagleHead;
 use headway_model::mask::positions;
-use headway_model::{KvCache, Sampler};
+use headway_model::{CpuPolicy, KvCache, Sampler, TreeInput};
 use tch::{Kind, Tensor};
 
 use super::{Drafter, Recording, Verified};
-use crate::error::{Result, ServeError};
+use crate::error::{EngineError, Result};
 use crate::tree::{DraftTree, Proposal};
 
 /// The size of EAGLE-2 trees.
@@ -71,7 +71,7 @@ pub struct EagleDrafter<'h> {
     modules: EagleModules<'h>,
     /// The target taps the head fuses into its input.
     taps: Vec<usize>,
-    d2t: Option<Vec<u32>>,
+    d2t: Option<&'h [u32]>,
     cache: KvCache,
     /// Positions whose (feature, next token) pair is in the cache: the target's cached prefix.
     committed: usize,
@@ -83,21 +83,23 @@ pub struct EagleDrafter<'h> {
 }
 
 impl<'h> EagleDrafter<'h> {
-    /// `head` must be frozen; `capacity` is the longest context it will see.
+    /// `head` must be frozen; `d2t` maps its draft vocabulary to target ids; `capacity` is the
+    /// longest context it will see; it runs under `cpu` (the target's decoding policy).
     pub fn new(
         head: &'h EagleHead,
-        d2t: Option<Vec<u32>>,
+        d2t: Option<&'h [u32]>,
         shape: EagleTreeShape,
         capacity: usize,
+        cpu: CpuPolicy,
     ) -> Result<Self> {
         if shape.depth == 0 || shape.top_k == 0 || shape.tree_tokens == 0 {
-            return Err(ServeError::Invalid {
+            return Err(EngineError::Invalid {
                 field: "tree",
                 message: format!("EAGLE tree sizes must be positive, got {shape:?}"),
             });
         }
         Ok(Self {
-            modules: head.modules()?,
+            modules: head.modules(cpu)?,
             taps: head.config.taps.clone(),
             d2t,
             cache: head.new_cache(1, capacity + shape.depth * shape.top_k)?,
@@ -121,7 +123,7 @@ impl<'h> EagleDrafter<'h> {
         let start = prefix - m;
         self.cache.truncate(self.committed)?;
         if start != self.committed {
-            return Err(ServeError::Invalid {
+            return Err(EngineError::Invalid {
                 field: "eagle state",
                 message: format!(
                     "the head has {} positions but the target verified from {start}",
@@ -153,7 +155,7 @@ impl<'h> EagleDrafter<'h> {
         let (values, index) = logp.topk(self.shape.top_k as i64, -1, true, true);
         let values = Vec::<f32>::try_from(values.to_device(tch::Device::Cpu).view([-1]))?;
         let index = Vec::<i64>::try_from(index.to_device(tch::Device::Cpu).view([-1]))?;
-        let to_target = |i: i64| self.d2t.as_ref().map_or(i as u32, |m| m[i as usize]);
+        let to_target = |i: i64| self.d2t.map_or(i as u32, |m| m[i as usize]);
         Ok(values
             .chunks(self.shape.top_k)
             .zip(index.chunks(self.shape.top_k))
@@ -161,8 +163,9 @@ impl<'h> EagleDrafter<'h> {
             .collect())
     }
 
-    /// Feeds the nodes `expand` (all of one depth) into the head with a tree mask and returns
-    /// their predictions `[n, hidden]`.
+    /// Feeds the nodes `expand` (all of one depth) into the head and returns their predictions
+    /// `[n, hidden]`. The nodes fed so far sit in the head's cache after the committed prefix, in
+    /// feeding order: with the new ones they form a tree whose input the new rows are.
     fn expand(
         &mut self,
         candidates: &mut [Candidate],
@@ -171,21 +174,21 @@ impl<'h> EagleDrafter<'h> {
     ) -> Result<Tensor> {
         let device = store[0].device();
         let base = self.cache.len();
-        let width = base + expand.len();
-        let mut allowed = vec![false; expand.len() * width];
         for (j, &c) in expand.iter().enumerate() {
-            let row = &mut allowed[j * width..(j + 1) * width];
-            row[..self.committed].iter_mut().for_each(|a| *a = true);
-            row[base + j] = true;
-            let mut ancestor = candidates[c].parent;
-            while let Some(a) = ancestor {
-                row[candidates[a].fed.expect("ancestors were expanded")] = true;
-                ancestor = candidates[a].parent;
-            }
+            candidates[c].fed = Some(base + j);
         }
-        let mask = Tensor::from_slice(&allowed)
-            .view([1, 1, expand.len() as i64, width as i64])
-            .to_device(device);
+        let mut fed: Vec<usize> = (0..candidates.len())
+            .filter(|&c| candidates[c].fed.is_some())
+            .collect();
+        fed.sort_by_key(|&c| candidates[c].fed);
+        let tree_index = |c: usize| candidates[c].fed.map(|slot| slot - self.committed);
+        let tokens: Vec<u32> = fed.iter().map(|&c| candidates[c].token).collect();
+        let parents: Vec<Option<usize>> = fed
+            .iter()
+            .map(|&c| candidates[c].parent.and_then(tree_index))
+            .collect();
+        let input =
+            TreeInput::tree(self.committed, &tokens, &parents, device)?.last_rows(expand.len());
         let features = Tensor::stack(
             &expand
                 .iter()
@@ -194,23 +197,13 @@ impl<'h> EagleDrafter<'h> {
             0,
         )
         .unsqueeze(0);
-        let ids: Vec<i64> = expand
-            .iter()
-            .map(|&c| i64::from(candidates[c].token))
-            .collect();
-        let ids = Tensor::from_slice(&ids).unsqueeze(0).to_device(device);
-        let position = (self.committed + candidates[expand[0]].depth - 1) as i64;
-        let positions = Tensor::full([1, expand.len() as i64], position, (Kind::Int64, device));
         let out = self.modules.forward(
             &features,
-            &ids,
-            &positions,
+            &input.ids,
+            &input.positions,
             Some(&mut self.cache),
-            Some(&mask),
+            input.mask.as_ref(),
         )?;
-        for (j, &c) in expand.iter().enumerate() {
-            candidates[c].fed = Some(base + j);
-        }
         Ok(out.get(0))
     }
 }
@@ -398,7 +391,8 @@ pub(crate) mod tests {
             top_k: 1,
             tree_tokens: 4,
         };
-        let mut drafter = EagleDrafter::new(head, None, shape, 64).unwrap();
+        let cpu = headway_model::CpuThreads::new(2).decode();
+        let mut drafter = EagleDrafter::new(head, None, shape, 64, cpu.clone()).unwrap();
         let mut sampler = Sampler::new(Default::default());
         let context: Vec<u32> = vec![3, 17, 40, 2, 99, 5];
         let hidden = Tensor::randn([10, h], (Kind::Float, Device::Cpu));
@@ -424,7 +418,7 @@ pub(crate) mod tests {
             let chain: Vec<u32> = tree.nodes().iter().map(|n| n.token).collect();
             assert_eq!(tree.max_depth(), 4);
             // Reference: the head over the whole context causally, then its own chain.
-            let modules = head.modules().unwrap();
+            let modules = head.modules(cpu.clone()).unwrap();
             let mut cache = head.new_cache(1, 64).unwrap();
             let prefix = ctx.len() - 1;
             let ids = |t: &[u32]| {

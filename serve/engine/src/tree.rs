@@ -8,7 +8,10 @@
 
 use std::rc::Rc;
 
-use crate::error::{Result, ServeError};
+use headway_model::TreeInput;
+use tch::Device;
+
+use crate::error::{EngineError, Result};
 
 /// How a drafted token was chosen: what lossless rejection sampling needs to know about it.
 #[derive(Debug, Clone)]
@@ -58,7 +61,7 @@ impl DraftTree {
     /// Appends a node; its parent must already be in the tree.
     pub fn push(&mut self, token: u32, parent: Option<usize>, proposal: Proposal) -> Result<usize> {
         if parent.is_some_and(|p| p >= self.nodes.len()) {
-            return Err(ServeError::Invalid {
+            return Err(EngineError::Invalid {
                 field: "tree",
                 message: format!(
                     "node {} names parent {parent:?}, which is not in the tree yet",
@@ -153,7 +156,7 @@ impl DraftTree {
     }
 
     /// Parents in the verification input's numbering, where the root is entry 0 and node `i` is
-    /// entry `i + 1` (for [`headway_model::mask::tree_mask`]).
+    /// entry `i + 1`.
     pub fn verification_parents(&self) -> Vec<Option<usize>> {
         std::iter::once(None)
             .chain(
@@ -162,6 +165,24 @@ impl DraftTree {
                     .map(|n| Some(n.parent.map_or(0, |p| p + 1))),
             )
             .collect()
+    }
+
+    /// The target's input that verifies this tree after `past` cached tokens: `[root, node 0,
+    /// node 1, …]` with depth positions and the ancestor mask; without nodes, the root alone as
+    /// plain decoding runs it (no mask).
+    pub fn verification_input(&self, root: u32, past: usize, device: Device) -> Result<TreeInput> {
+        let tokens: Vec<u32> = std::iter::once(root)
+            .chain(self.nodes.iter().map(|n| n.token))
+            .collect();
+        if self.is_empty() {
+            return Ok(TreeInput::causal(past, &tokens, device));
+        }
+        Ok(TreeInput::tree(
+            past,
+            &tokens,
+            &self.verification_parents(),
+            device,
+        )?)
     }
 }
 
@@ -180,14 +201,14 @@ impl TreeChoices {
         paths.dedup();
         for path in &paths {
             if path.is_empty() {
-                return Err(ServeError::Invalid {
+                return Err(EngineError::Invalid {
                     field: "tree",
                     message: "a path is empty".into(),
                 });
             }
             let parent = &path[..path.len() - 1];
             if !parent.is_empty() && paths.binary_search_by(|p| cmp_paths(p, parent)).is_err() {
-                return Err(ServeError::Invalid {
+                return Err(EngineError::Invalid {
                     field: "tree",
                     message: format!("path {path:?} has no parent path {parent:?}"),
                 });
@@ -198,14 +219,14 @@ impl TreeChoices {
 
     /// Reads a JSON list of paths (the Medusa repository's `mc_sim_7b_63` format).
     pub fn from_file(path: &std::path::Path) -> Result<Self> {
-        let text = std::fs::read_to_string(path).map_err(|e| ServeError::file(path, e))?;
+        let text = std::fs::read_to_string(path).map_err(|e| EngineError::file(path, e))?;
         let paths: Vec<Vec<usize>> = serde_json::from_str(&text).map_err(|e| {
-            ServeError::file(
+            EngineError::file(
                 path,
                 format!("not a JSON list of rank paths ([[0], [0, 1]]): {e}"),
             )
         })?;
-        Self::new(paths).map_err(|e| ServeError::file(path, e))
+        Self::new(paths).map_err(|e| EngineError::file(path, e))
     }
 
     /// A chain of `depth` top-1 guesses.

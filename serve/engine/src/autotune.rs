@@ -20,9 +20,7 @@
 use std::time::Instant;
 
 use headway_heads::{EagleHead, MedusaHeads};
-use headway_model::mask::{positions, tree_mask};
-use headway_model::{ForwardInput, KvCache, Target};
-use tch::Tensor;
+use headway_model::{ForwardInput, KvCache, Target, TreeInput};
 
 use crate::drafters::{
     best_subtree, lookup_alone, Candidate, DraftRecord, EagleDrafter, EagleTreeShape, GuessRecord,
@@ -48,49 +46,42 @@ impl LatencyProfile {
     pub fn measure(target: &Target, prefix: usize, reps: usize) -> Result<Self> {
         let _no_grad = tch::no_grad_guard();
         let config = target.model.config();
+        let cpu = target.cpu.decode();
         let largest = TREE_SIZES[TREE_SIZES.len() - 1] + 1;
         let mut cache = KvCache::new(config, 1, prefix + largest, target.kind, target.device)?;
-        let ids = |n: usize| {
-            let ids: Vec<i64> = (0..n).map(|i| (100 + i % 1000) as i64).collect();
-            Tensor::from_slice(&ids)
-                .unsqueeze(0)
-                .to_device(target.device)
-        };
-        let forward = |cache: &mut KvCache, n: usize, mask: Option<&Tensor>| -> Result<f64> {
+        let tokens = |n: usize| -> Vec<u32> { (0..n).map(|i| (100 + i % 1000) as u32).collect() };
+        let forward = |cache: &mut KvCache, input: &TreeInput| -> Result<f64> {
             let start = Instant::now();
-            let input = ForwardInput {
-                input_ids: &ids(n),
-                positions: &positions(cache.len(), n, target.device),
-                mask,
-                taps: &[],
-            };
-            let hidden = target.model.model.forward(&input, Some(cache))?.hidden;
-            let _ = Vec::<f32>::try_from(
-                target
-                    .model
-                    .lm_head
-                    .forward(&hidden.get(0))
-                    .sum(tch::Kind::Float)
-                    .view([1]),
-            )?;
+            let output = target
+                .model
+                .model
+                .forward(&ForwardInput::new(input, &[], &cpu), Some(cache))?;
+            let logits = target.model.lm_head.forward(&output.hidden.get(0), &cpu);
+            let _ = Vec::<f32>::try_from(logits.sum(tch::Kind::Float).view([1]))?;
             Ok(start.elapsed().as_secs_f64())
         };
-        forward(&mut cache, prefix, None)?;
+        forward(
+            &mut cache,
+            &TreeInput::causal(0, &tokens(prefix), target.device),
+        )?;
         let mut profile = Self {
             tokens: Vec::new(),
             seconds: Vec::new(),
         };
         for size in std::iter::once(0).chain(TREE_SIZES) {
             let n = size + 1;
-            // A chain-shaped tree mask: the same work as any tree of this size. Plain decoding
-            // (no tree) runs without a mask, as it does in the engine.
-            let parents: Vec<Option<usize>> = (0..n).map(|i| i.checked_sub(1)).collect();
-            let mask = (size > 0)
-                .then(|| tree_mask(prefix, &parents, target.device))
-                .transpose()?;
+            // A chain-shaped tree: the same work as any tree of this size. Plain decoding (no
+            // tree) runs without a mask, as it does in the engine.
+            let input = match size {
+                0 => TreeInput::causal(prefix, &tokens(n), target.device),
+                _ => {
+                    let parents: Vec<Option<usize>> = (0..n).map(|i| i.checked_sub(1)).collect();
+                    TreeInput::tree(prefix, &tokens(n), &parents, target.device)?
+                }
+            };
             let mut times = Vec::with_capacity(reps);
             for _ in 0..reps.max(1) {
-                times.push(forward(&mut cache, n, mask.as_ref())?);
+                times.push(forward(&mut cache, &input)?);
                 cache.truncate(prefix)?;
             }
             times.sort_by(f64::total_cmp);
@@ -126,18 +117,16 @@ pub struct Prediction {
     pub tokens_per_s: f64,
 }
 
-/// The tuned tree and what was predicted for it (and for plain decoding).
+/// What tuning predicted for the tree it chose, for the next best and for plain decoding.
 #[derive(Debug, Clone)]
-pub struct Tuned {
-    pub eagle: Option<EagleTreeShape>,
-    pub medusa: Option<TreeChoices>,
+pub struct Tuning {
     pub best: Prediction,
     pub ar_tokens_per_s: f64,
     /// The best few, best first.
     pub ranking: Vec<Prediction>,
 }
 
-impl Tuned {
+impl Tuning {
     /// A few lines for the log.
     pub fn describe(&self) -> String {
         let mut out = format!(
@@ -312,15 +301,17 @@ fn prediction(
     }
 }
 
-/// The best option, the best few predictions (best first) and plain decoding's tokens/s.
-fn finish<T>(
-    mut options: Vec<(Prediction, T)>,
-    latency: &LatencyProfile,
-) -> (T, Vec<Prediction>, f64) {
+/// The best option and the predictions (the best few, best first, and plain decoding's).
+fn finish<T>(mut options: Vec<(Prediction, T)>, latency: &LatencyProfile) -> (T, Tuning) {
     options.sort_by(|a, b| b.0.tokens_per_s.total_cmp(&a.0.tokens_per_s));
-    let ranking = options.iter().take(5).map(|o| o.0.clone()).collect();
+    let ranking: Vec<Prediction> = options.iter().take(5).map(|o| o.0.clone()).collect();
     let best = options.into_iter().next().expect("at least one option").1;
-    (best, ranking, 1.0 / latency.at(1))
+    let tuning = Tuning {
+        best: ranking[0].clone(),
+        ar_tokens_per_s: 1.0 / latency.at(1),
+        ranking,
+    };
+    (best, tuning)
 }
 
 /// Tunes EAGLE's tree shape (depth ≤ `max.depth`, top-k ≤ `max.top_k`, tree tokens ≤
@@ -328,15 +319,16 @@ fn finish<T>(
 pub fn tune_eagle(
     target: &Target,
     head: &EagleHead,
-    d2t: Option<Vec<u32>>,
+    d2t: Option<&[u32]>,
     max: EagleTreeShape,
     lookup: Option<&LookupDrafter>,
     prompts: &[Vec<u32>],
     new_tokens: usize,
-) -> Result<Tuned> {
+) -> Result<(EagleTreeShape, Tuning)> {
     let longest = prompts.iter().map(Vec::len).max().unwrap_or(0);
     let latency = LatencyProfile::measure(target, longest.max(64), 3)?;
-    let mut drafter = EagleDrafter::new(head, d2t, max, longest + new_tokens + 1)?;
+    let capacity = longest + new_tokens + 1;
+    let mut drafter = EagleDrafter::new(head, d2t, max, capacity, target.cpu.decode())?;
     let WarmUp {
         steps,
         draft_seconds,
@@ -385,14 +377,7 @@ pub fn tune_eagle(
             }
         }
     }
-    let (shape, ranking, ar_tokens_per_s) = finish(options, &latency);
-    Ok(Tuned {
-        eagle: Some(shape),
-        medusa: None,
-        best: ranking[0].clone(),
-        ar_tokens_per_s,
-        ranking,
-    })
+    Ok(finish(options, &latency))
 }
 
 /// Tunes the size of a Medusa tree built from the heads' per-rank accuracies, measured while
@@ -400,15 +385,16 @@ pub fn tune_eagle(
 pub fn tune_medusa(
     target: &Target,
     heads: &MedusaHeads,
-    d2t: Option<Vec<u32>>,
+    d2t: Option<&[u32]>,
     max_tree_tokens: usize,
     lookup: Option<&LookupDrafter>,
     prompts: &[Vec<u32>],
     new_tokens: usize,
-) -> Result<Tuned> {
+) -> Result<(TreeChoices, Tuning)> {
     let longest = prompts.iter().map(Vec::len).max().unwrap_or(0);
     let latency = LatencyProfile::measure(target, longest.max(64), 3)?;
-    let mut drafter = MedusaDrafter::new(heads, d2t, TreeChoices::chain(1))?;
+    let chain = TreeChoices::chain(1);
+    let mut drafter = MedusaDrafter::new(heads, d2t, chain, target.cpu.decode())?;
     let WarmUp {
         steps,
         draft_seconds,
@@ -448,14 +434,7 @@ pub fn tune_medusa(
         );
         options.push((predicted, choices));
     }
-    let (choices, ranking, ar_tokens_per_s) = finish(options, &latency);
-    Ok(Tuned {
-        eagle: None,
-        medusa: Some(choices),
-        best: ranking[0].clone(),
-        ar_tokens_per_s,
-        ranking,
-    })
+    Ok(finish(options, &latency))
 }
 
 /// `accuracy[d][r]`: how often head d's rank-r guess was the token finally emitted there
@@ -487,8 +466,12 @@ mod tests {
     use super::*;
     use crate::drafters::{tiny_frozen_head, Drafter, Verified};
     use crate::tree::Proposal;
-    use headway_model::{Sampler, SamplingParams};
-    use tch::{Device, Kind};
+    use headway_model::{CpuPolicy, CpuThreads, Sampler, SamplingParams};
+    use tch::{Device, Kind, Tensor};
+
+    fn decode() -> CpuPolicy {
+        CpuThreads::new(2).decode()
+    }
 
     #[test]
     fn latency_interpolates_between_measured_sizes() {
@@ -564,7 +547,7 @@ mod tests {
             top_k: 4,
             tree_tokens: 64,
         };
-        let mut drafter = EagleDrafter::new(&head, None, wide, 32).unwrap();
+        let mut drafter = EagleDrafter::new(&head, None, wide, 32, decode()).unwrap();
         drafter.record();
         drafter.draft(&verified, &mut sampler).unwrap();
         let record = drafter.take_records().remove(0);
@@ -577,7 +560,7 @@ mod tests {
             let tokens = |t: &DraftTree| -> Vec<(u32, Option<usize>)> {
                 t.nodes().iter().map(|n| (n.token, n.parent)).collect()
             };
-            let mut direct = EagleDrafter::new(&head, None, narrow, 32).unwrap();
+            let mut direct = EagleDrafter::new(&head, None, narrow, 32, decode()).unwrap();
             let drafted = direct.draft(&verified, &mut sampler).unwrap();
             let replayed = best_subtree(&replay_candidates(&record, depth, top_k), size);
             assert_eq!(tokens(&replayed), tokens(&drafted), "{narrow:?}");

@@ -3,17 +3,20 @@
 
 use std::collections::BTreeMap;
 
-use headway_heads::{DraftVocab, EagleConfig, EagleHead, MedusaConfig, MedusaHeads};
-use headway_model::mask::positions;
-use headway_model::testing::{fixture_path, real_target_dir, write_tiny_model, TINY_VOCAB};
-use headway_model::{generate, ForwardInput, KvCache, Message, Sampler, SamplingParams, Target};
-use headway_serve::acceptance::Acceptance;
-use headway_serve::drafters::{
+use headway_engine::acceptance::Acceptance;
+use headway_engine::drafters::{
     DraftModelDrafter, Drafter, EagleDrafter, EagleTreeShape, LookupDrafter, MedusaDrafter,
     NoDrafter, Verified, WithLookup,
 };
-use headway_serve::engine::{generate_greedy, generate_speculative, Session};
-use headway_serve::tree::{DraftTree, Proposal, TreeChoices};
+use headway_engine::engine::{generate_greedy, generate_speculative, Session};
+use headway_engine::tree::{DraftTree, Proposal, TreeChoices};
+use headway_heads::{DraftVocab, EagleConfig, EagleHead, MedusaConfig, MedusaHeads};
+use headway_model::mask::positions;
+use headway_model::testing::{fixture_path, real_target_dir, write_tiny_model, TINY_VOCAB};
+use headway_model::{
+    generate, CpuPolicy, CpuThreads, ForwardInput, KvCache, Message, Sampler, SamplingParams,
+    Target,
+};
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 use tch::{Device, Kind, Tensor};
@@ -21,7 +24,7 @@ use tch::{Device, Kind, Tensor};
 fn tiny_target(seed: u64) -> (tempfile::TempDir, Target) {
     let dir = tempfile::tempdir().unwrap();
     write_tiny_model(dir.path(), seed).unwrap();
-    let target = Target::load(dir.path(), Kind::Float, Device::Cpu).unwrap();
+    let target = Target::load(dir.path(), Kind::Float, Device::Cpu, CpuThreads::new(2)).unwrap();
     (dir, target)
 }
 
@@ -49,7 +52,7 @@ impl OracleDrafter {
 }
 
 impl Drafter for OracleDrafter {
-    fn draft(&mut self, verified: &Verified, _: &mut Sampler) -> headway_serve::Result<DraftTree> {
+    fn draft(&mut self, verified: &Verified, _: &mut Sampler) -> headway_engine::Result<DraftTree> {
         let taps = verified.taps.iter().map(Tensor::shallow_clone).collect();
         self.seen.push((verified.hidden.shallow_clone(), taps));
         let mut tree = DraftTree::new();
@@ -195,17 +198,18 @@ fn greedy_speculative_output_equals_plain_greedy_for_every_drafter() {
             ),
             (
                 "eagle",
-                Box::new(EagleDrafter::new(&eagle, Some(d2t.clone()), shape, capacity).unwrap()),
+                Box::new(EagleDrafter::new(&eagle, Some(&d2t), shape, capacity, decode()).unwrap()),
             ),
             (
                 "eagle (tapped)",
                 Box::new(
-                    EagleDrafter::new(&tapped_eagle, Some(d2t.clone()), shape, capacity).unwrap(),
+                    EagleDrafter::new(&tapped_eagle, Some(&d2t), shape, capacity, decode())
+                        .unwrap(),
                 ),
             ),
             (
                 "medusa",
-                Box::new(MedusaDrafter::new(&medusa, None, choices.clone()).unwrap()),
+                Box::new(MedusaDrafter::new(&medusa, None, choices.clone(), decode()).unwrap()),
             ),
             (
                 "oracle",
@@ -215,7 +219,7 @@ fn greedy_speculative_output_equals_plain_greedy_for_every_drafter() {
                 "eagle + lookup",
                 Box::new(WithLookup::new(
                     Box::new(
-                        EagleDrafter::new(&eagle, Some(d2t.clone()), shape, capacity).unwrap(),
+                        EagleDrafter::new(&eagle, Some(&d2t), shape, capacity, decode()).unwrap(),
                     ),
                     LookupDrafter::default(),
                 )),
@@ -223,7 +227,7 @@ fn greedy_speculative_output_equals_plain_greedy_for_every_drafter() {
             (
                 "medusa + lookup",
                 Box::new(WithLookup::new(
-                    Box::new(MedusaDrafter::new(&medusa, None, choices.clone()).unwrap()),
+                    Box::new(MedusaDrafter::new(&medusa, None, choices.clone(), decode()).unwrap()),
                     LookupDrafter::default(),
                 )),
             ),
@@ -312,6 +316,7 @@ fn kv_cache_after_speculative_steps_equals_plain_decoding_of_the_same_tokens() {
         positions: &positions(0, cached.len(), Device::Cpu),
         mask: None,
         taps: &drafter.taps,
+        cpu: &target.cpu.decode(),
     };
     let plain = target
         .model
@@ -359,7 +364,7 @@ fn kv_cache_after_speculative_steps_equals_plain_decoding_of_the_same_tokens() {
 struct GreedyChain<'m>(DraftModelDrafter<'m>);
 
 impl Drafter for GreedyChain<'_> {
-    fn draft(&mut self, verified: &Verified, _: &mut Sampler) -> headway_serve::Result<DraftTree> {
+    fn draft(&mut self, verified: &Verified, _: &mut Sampler) -> headway_engine::Result<DraftTree> {
         self.0.draft(verified, &mut greedy())
     }
 
@@ -372,24 +377,24 @@ impl Drafter for GreedyChain<'_> {
     }
 }
 
+/// Decoding's CPU policy for drafters built by hand.
+fn decode() -> CpuPolicy {
+    CpuThreads::new(2).decode()
+}
+
 const FIRST_TOKENS: usize = 4;
 const SAMPLES: usize = 2500;
 
 fn sampling() -> SamplingParams {
-    SamplingParams {
-        temperature: 1.0,
-        top_k: 3,
-        top_p: 1.0,
-        seed: 0,
-    }
+    SamplingParams::new(1.0, 3, 1.0, 0.0, 0).unwrap()
 }
 
-/// Counts of the first four emitted tokens over `SAMPLES` generations.
+/// Counts of the first four emitted tokens over `SAMPLES` generations sampled with `params`.
 fn sequence_counts(
     mut generate_once: impl FnMut(&mut Sampler) -> Vec<u32>,
-    seed: u64,
+    params: SamplingParams,
 ) -> BTreeMap<Vec<u32>, usize> {
-    let mut sampler = Sampler::new(SamplingParams { seed, ..sampling() });
+    let mut sampler = Sampler::new(params);
     let mut counts = BTreeMap::new();
     for _ in 0..SAMPLES {
         let mut tokens = generate_once(&mut sampler);
@@ -438,6 +443,24 @@ fn homogeneity(a: &BTreeMap<Vec<u32>, usize>, b: &BTreeMap<Vec<u32>, usize>) -> 
 
 #[test]
 fn speculative_sampling_keeps_the_target_distribution_and_typical_acceptance_does_not() {
+    let typical = Acceptance::Typical {
+        threshold: 0.09,
+        alpha: 0.3,
+    };
+    lossless_under(sampling(), Some(typical));
+}
+
+/// Min-p (issue 19) is applied to the target and the drafter alike, so acceptance stays lossless;
+/// here beside temperature and top-p.
+#[test]
+fn speculative_sampling_with_min_p_keeps_the_target_distribution() {
+    lossless_under(SamplingParams::new(0.8, 0, 0.95, 0.1, 0).unwrap(), None);
+}
+
+/// Plain sampling and speculative sampling under `params` with a sampled draft model, a
+/// deterministic argmax chain and a sampled draft with prompt lookup grafted on give the same
+/// distribution of the first tokens; `lossy`, given, must not.
+fn lossless_under(params: SamplingParams, lossy: Option<Acceptance>) {
     let (_dir, target) = tiny_target(31);
     let (_draft_dir, other) = tiny_target(32);
     let prompt: Vec<u32> = vec![7, 8, 9, 10];
@@ -448,7 +471,7 @@ fn speculative_sampling_keeps_the_target_distribution_and_typical_acceptance_doe
                 .unwrap()
                 .tokens
         },
-        1,
+        params.with_seed(1),
     );
     let run = |drafter: &mut dyn Drafter, acceptance: Acceptance, seed: u64| {
         sequence_counts(
@@ -466,7 +489,7 @@ fn speculative_sampling_keeps_the_target_distribution_and_typical_acceptance_doe
                 .generation
                 .tokens
             },
-            seed,
+            params.with_seed(seed),
         )
     };
     let mut sampled_draft = DraftModelDrafter::new(&other, &target, 3, capacity).unwrap();
@@ -489,16 +512,14 @@ fn speculative_sampling_keeps_the_target_distribution_and_typical_acceptance_doe
         let (stat, critical) = homogeneity(&plain, &counts);
         assert!(stat < critical, "{name}: chi2 {stat:.1} ≥ {critical:.1}");
     }
-    let typical = Acceptance::Typical {
-        threshold: 0.09,
-        alpha: 0.3,
-    };
-    let counts = run(&mut argmax_chain, typical, 3);
-    let (stat, critical) = homogeneity(&plain, &counts);
-    assert!(
-        stat > critical,
-        "typical acceptance passed as lossless: chi2 {stat:.1} < {critical:.1}"
-    );
+    if let Some(lossy) = lossy {
+        let counts = run(&mut argmax_chain, lossy, 3);
+        let (stat, critical) = homogeneity(&plain, &counts);
+        assert!(
+            stat > critical,
+            "typical acceptance passed as lossless: chi2 {stat:.1} < {critical:.1}"
+        );
+    }
 }
 
 #[derive(serde::Deserialize)]
@@ -513,7 +534,13 @@ struct GreedyCase {
 
 #[test]
 fn greedy_speculative_output_equals_plain_greedy_on_smollm2() {
-    let target = Target::load(&real_target_dir(), Kind::Float, Device::Cpu).unwrap();
+    let target = Target::load(
+        &real_target_dir(),
+        Kind::Float,
+        Device::Cpu,
+        CpuThreads::new(2),
+    )
+    .unwrap();
     let text = std::fs::read_to_string(fixture_path("greedy_reference.json")).unwrap();
     let fixture: GreedyFixture = serde_json::from_str(&text).unwrap();
     tch::manual_seed(3);
@@ -540,18 +567,26 @@ fn greedy_speculative_output_equals_plain_greedy_on_smollm2() {
             ("lookup", Box::new(LookupDrafter::default())),
             (
                 "eagle",
-                Box::new(EagleDrafter::new(&eagle, None, shape, capacity).unwrap()),
+                Box::new(
+                    EagleDrafter::new(&eagle, None, shape, capacity, target.cpu.decode()).unwrap(),
+                ),
             ),
             (
                 "eagle + lookup",
                 Box::new(WithLookup::new(
-                    Box::new(EagleDrafter::new(&eagle, None, shape, capacity).unwrap()),
+                    Box::new(
+                        EagleDrafter::new(&eagle, None, shape, capacity, target.cpu.decode())
+                            .unwrap(),
+                    ),
                     LookupDrafter::default(),
                 )),
             ),
             (
                 "medusa",
-                Box::new(MedusaDrafter::new(&medusa, None, TreeChoices::chain(2)).unwrap()),
+                Box::new(
+                    MedusaDrafter::new(&medusa, None, TreeChoices::chain(2), target.cpu.decode())
+                        .unwrap(),
+                ),
             ),
             (
                 "draft",

@@ -2,16 +2,12 @@
 
 use plotters::prelude::*;
 
-use crate::bench::BenchReport;
-use crate::error::{Result, ServeError};
+use super::report::BenchReport;
 
 /// Renders `report` as an SVG document.
-pub fn svg(report: &BenchReport) -> Result<String> {
+pub fn svg(report: &BenchReport) -> anyhow::Result<String> {
     let mut text = String::new();
-    draw(report, &mut text).map_err(|e| ServeError::Invalid {
-        field: "plot",
-        message: e.to_string(),
-    })?;
+    draw(report, &mut text).map_err(|e| anyhow::anyhow!("drawing the benchmark chart: {e}"))?;
     Ok(text)
 }
 

@@ -1,0 +1,3 @@
+fn main() {
+    libtorch_link::emit();
+}
