@@ -129,10 +129,11 @@ pub fn dedupe(conversations: Vec<Conversation>) -> (Vec<Conversation>, usize) {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
 
-    fn conv(id: &str, turns: &[(Role, &str)]) -> Conversation {
+    /// A conversation `id` of `turns` (also for the other modules' tests).
+    pub(crate) fn conv(id: &str, turns: &[(Role, &str)]) -> Conversation {
         Conversation {
             id: id.to_string(),
             turns: turns.iter().map(|&(r, c)| Turn::new(r, c)).collect(),

@@ -362,14 +362,7 @@ fn sampling(settings: &RegenerateSettings, conversation: &Conversation) -> Sampl
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    fn conv(id: &str, turns: &[(Role, &str)]) -> Conversation {
-        Conversation {
-            id: id.to_string(),
-            turns: turns.iter().map(|&(r, c)| Turn::new(r, c)).collect(),
-            split_group: None,
-        }
-    }
+    use crate::conversation::tests::conv;
 
     #[test]
     fn regeneration_dedupes_by_what_the_target_is_asked() {

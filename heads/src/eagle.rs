@@ -341,16 +341,7 @@ mod tests {
     }
 
     fn tapped_head(layers: usize, taps: Vec<usize>) -> EagleHead {
-        tch::manual_seed(1);
-        let config = tiny_config();
-        let options = (Kind::Float, Device::Cpu);
-        let embed = Tensor::randn(
-            [config.vocab_size as i64, config.hidden_size as i64],
-            options,
-        );
-        let lm_head = embed.narrow(0, 0, 50);
-        let config = EagleConfig::for_target(&config, layers).with_taps(taps);
-        EagleHead::new(config, &embed, &lm_head).unwrap()
+        crate::testing::tiny_eagle_head(1, layers, taps, 50)
     }
 
     #[test]

@@ -1,7 +1,24 @@
 //! Helpers for tests of code that drafts with heads (here and in `headway-serve`).
 
+use headway_model::testing::tiny_config;
+use tch::{Device, Kind, Tensor};
+
 use crate::eagle::TAP_PROJ;
-use crate::EagleHead;
+use crate::{EagleConfig, EagleHead};
+
+/// A fresh EAGLE head of `layers` layers fusing `taps` for the tiny test target, after seeding
+/// libtorch's generator with `seed`: the target's embedding is random, and the LM head is its
+/// first `lm_rows` rows (a draft vocabulary when fewer than the vocabulary).
+pub fn tiny_eagle_head(seed: i64, layers: usize, taps: Vec<usize>, lm_rows: i64) -> EagleHead {
+    tch::manual_seed(seed);
+    let config = tiny_config();
+    let embed = Tensor::randn(
+        [config.vocab_size as i64, config.hidden_size as i64],
+        (Kind::Float, Device::Cpu),
+    );
+    let config = EagleConfig::for_target(&config, layers).with_taps(taps);
+    EagleHead::new(config, &embed, &embed.narrow(0, 0, lm_rows)).expect("a valid tiny head")
+}
 
 /// Replaces a tapped head's tap projection, zero when fresh (so the head starts by ignoring its
 /// taps), with random weights of standard deviation `std`, so that drafting really reads the

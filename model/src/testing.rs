@@ -139,6 +139,17 @@ fn write_tiny_tokenizer(dir: &Path) -> Result<()> {
     Ok(())
 }
 
+/// The real SmolLM2 (f32, CPU) for the few tests that need it, from [`real_target_dir`].
+pub fn real_target() -> crate::Target {
+    crate::Target::load(
+        &real_target_dir(),
+        Kind::Float,
+        Device::Cpu,
+        crate::CpuThreads::default(),
+    )
+    .expect("loading the real target")
+}
+
 /// The real SmolLM2 directory for the few tests that need it: `$HEADWAY_TARGET`, else the embedded
 /// default. Panics with the command that creates it, since a silently skipped parity test proves
 /// nothing.

@@ -2,11 +2,10 @@
 //! for token (fixture written by `scripts/make_fixtures.py`).
 
 use headway_model::generate;
-use headway_model::testing::{fixture_path, real_target_dir};
-use headway_model::{CpuThreads, Message, Target};
+use headway_model::testing::{fixture_path, real_target};
+use headway_model::Message;
 use headway_model::{Sampler, SamplingParams};
 use serde::Deserialize;
-use tch::{Device, Kind};
 
 #[derive(Deserialize)]
 struct GreedyFixture {
@@ -23,13 +22,7 @@ struct GreedyCase {
 
 #[test]
 fn greedy_64_tokens_match_transformers_on_three_chat_prompts() {
-    let target = Target::load(
-        &real_target_dir(),
-        Kind::Float,
-        Device::Cpu,
-        CpuThreads::new(2),
-    )
-    .unwrap();
+    let target = real_target();
     let text = std::fs::read_to_string(fixture_path("greedy_reference.json")).unwrap();
     let fixture: GreedyFixture = serde_json::from_str(&text).unwrap();
     assert!(fixture.cases.len() >= 3 && fixture.max_new_tokens >= 64);

@@ -254,39 +254,25 @@ fn taps_return_the_residual_stream_after_k_layers() {
 #[test]
 fn wrong_input_shapes_and_ids_are_errors() {
     let model = tiny_model();
-    let flat = Tensor::from_slice(&PROMPT);
-    let pos = positions(0, PROMPT.len(), Device::Cpu);
-    let input = ForwardInput {
-        input_ids: &flat,
-        positions: &pos,
-        mask: None,
-        taps: &[],
-        cpu: &decode(),
+    let error = |input_ids: &Tensor, positions: &Tensor, mask: Option<&Tensor>| {
+        let input = ForwardInput {
+            input_ids,
+            positions,
+            mask,
+            taps: &[],
+            cpu: &decode(),
+        };
+        model.model.forward(&input, None).err().unwrap().to_string()
     };
-    let err = model.model.forward(&input, None).err().unwrap().to_string();
+    let pos = positions(0, PROMPT.len(), Device::Cpu);
+    let err = error(&Tensor::from_slice(&PROMPT), &pos, None);
     assert!(err.contains("input_ids must be [batch, new]"), "{err}");
 
-    let out_of_vocab = ids(&[1, 100_000]);
     let pos2 = positions(0, 2, Device::Cpu);
-    let input = ForwardInput {
-        input_ids: &out_of_vocab,
-        positions: &pos2,
-        mask: None,
-        taps: &[],
-        cpu: &decode(),
-    };
-    let err = model.model.forward(&input, None).err().unwrap().to_string();
+    let err = error(&ids(&[1, 100_000]), &pos2, None);
     assert!(err.contains("outside the vocabulary"), "{err}");
 
     let bad_mask = Tensor::ones([1, 1, 2, 3], (Kind::Bool, Device::Cpu));
-    let two = ids(&[1, 2]);
-    let input = ForwardInput {
-        input_ids: &two,
-        positions: &pos2,
-        mask: Some(&bad_mask),
-        taps: &[],
-        cpu: &decode(),
-    };
-    let err = model.model.forward(&input, None).err().unwrap().to_string();
+    let err = error(&ids(&[1, 2]), &pos2, Some(&bad_mask));
     assert!(err.contains("mask must be Bool"), "{err}");
 }

@@ -3,23 +3,15 @@
 
 use std::path::Path;
 
-use headway_model::mask::positions;
 use headway_model::testing::{write_safetensors, write_tiny_model};
-use headway_model::{CpuThreads, ForwardInput, Target};
+use headway_model::{CpuThreads, ForwardInput, Target, TreeInput};
 use tch::{Device, Kind, Tensor};
 
 fn logits(dir: &Path, kind: Kind) -> Tensor {
     let target = Target::load(dir, kind, Device::Cpu, CpuThreads::new(2)).unwrap();
     let cpu = target.cpu.decode();
-    let input_ids = Tensor::from_slice(&[5i64, 80, 200, 31, 7]).unsqueeze(0);
-    let positions = positions(0, 5, Device::Cpu);
-    let input = ForwardInput {
-        input_ids: &input_ids,
-        positions: &positions,
-        mask: None,
-        taps: &[],
-        cpu: &cpu,
-    };
+    let tokens = TreeInput::causal(0, &[5, 80, 200, 31, 7], Device::Cpu);
+    let input = ForwardInput::new(&tokens, &[], &cpu);
     let hidden = tch::no_grad(|| target.model.model.forward(&input, None))
         .unwrap()
         .hidden;

@@ -1,21 +1,14 @@
 //! Parity with transformers on the real SmolLM2-135M-Instruct (fixtures written by
 //! `scripts/make_fixtures.py` from the same GGUF): logits, tokenizer ids and chat rendering.
 
-use headway_model::mask::positions;
-use headway_model::testing::{fixture_path, real_target_dir};
-use headway_model::{ChatTemplate, CpuThreads, ForwardInput, Message, Target, TextTokenizer};
+use headway_model::testing::{fixture_path, real_target, real_target_dir};
+use headway_model::{ChatTemplate, ForwardInput, Message, TextTokenizer, TreeInput};
 use serde::Deserialize;
-use tch::{Device, Kind, Tensor};
+use tch::{Device, Tensor};
 
 #[test]
 fn logits_match_transformers_within_1e_3_at_every_position() {
-    let target = Target::load(
-        &real_target_dir(),
-        Kind::Float,
-        Device::Cpu,
-        CpuThreads::new(2),
-    )
-    .unwrap();
+    let target = real_target();
     let cpu = target.cpu.decode();
     let tensors = Tensor::read_safetensors(fixture_path("reference_logits.safetensors")).unwrap();
     let get = |name: &str| {
@@ -34,15 +27,13 @@ fn logits_match_transformers_within_1e_3_at_every_position() {
     for i in 0..prompts {
         let input_ids = get(&format!("prompt{i}.input_ids")).unsqueeze(0);
         let expected = get(&format!("prompt{i}.logits"));
-        let len = input_ids.size()[1] as usize;
-        let positions = positions(0, len, Device::Cpu);
-        let input = ForwardInput {
-            input_ids: &input_ids,
-            positions: &positions,
-            mask: None,
-            taps: &[],
-            cpu: &cpu,
-        };
+        let ids: Vec<u32> = Vec::<i64>::try_from(input_ids.view([-1]))
+            .unwrap()
+            .iter()
+            .map(|&t| t as u32)
+            .collect();
+        let tokens = TreeInput::causal(0, &ids, Device::Cpu);
+        let input = ForwardInput::new(&tokens, &[], &cpu);
         let hidden = target.model.model.forward(&input, None).unwrap().hidden;
         let logits = target.model.lm_head.forward(&hidden.squeeze_dim(0), &cpu);
         let per_position = (logits - expected).abs().amax(&[1i64][..], false);

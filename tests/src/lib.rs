@@ -34,6 +34,17 @@ pub fn run(name: &str, args: &[&str]) -> Output {
         .expect("spawning the binary")
 }
 
+/// Runs `headway-train args` as a kill test's uninterrupted run does: no inherited target or
+/// library path.
+pub fn headway_train(args: &[&str]) -> Output {
+    Command::new(binary("headway-train"))
+        .args(args)
+        .env_remove("LD_LIBRARY_PATH")
+        .env_remove("HEADWAY_TARGET")
+        .output()
+        .expect("spawning headway-train")
+}
+
 pub fn stdout(output: &Output) -> String {
     String::from_utf8_lossy(&output.stdout).into_owned()
 }

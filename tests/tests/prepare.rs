@@ -3,11 +3,11 @@
 
 use std::collections::BTreeMap;
 use std::path::Path;
-use std::process::{Command, Output};
+use std::process::Output;
 
 use headway_model::testing::write_tiny_model;
 use headway_tests::{
-    binary, headway_train_killed, run, run_aborting_child, stderr, stdout, AbortAfter,
+    headway_train, headway_train_killed, run, run_aborting_child, stderr, stdout, AbortAfter,
 };
 
 fn write_corpus(path: &Path) {
@@ -49,15 +49,10 @@ fn prepare(root: &Path, out: &Path, abort_after: Option<usize>) -> Output {
         "--held-out",
         "0.2",
     ];
-    if let Some(n) = abort_after {
-        return headway_train_killed("killed_prepare_child", &args, AbortAfter::Shards(n));
+    match abort_after {
+        Some(n) => headway_train_killed("killed_prepare_child", &args, AbortAfter::Shards(n)),
+        None => headway_train(&args),
     }
-    Command::new(binary("headway-train"))
-        .args(args)
-        .env_remove("LD_LIBRARY_PATH")
-        .env_remove("HEADWAY_TARGET")
-        .output()
-        .unwrap()
 }
 
 /// Not a test: the child process of the kill tests here (see `headway_train_killed`).

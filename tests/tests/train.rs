@@ -2,24 +2,17 @@
 //! the same weights as an uninterrupted one, and evaluation prints its table.
 
 use std::path::Path;
-use std::process::{Command, Output};
+use std::process::Output;
 
 use headway_model::testing::write_tiny_model;
-use headway_tests::{
-    binary, headway_train_killed, run, run_aborting_child, stderr, stdout, AbortAfter,
-};
+use headway_tests::{headway_train_killed, run, run_aborting_child, stderr, stdout, AbortAfter};
 
 /// `headway-train args`; with `abort_after_step`, killed after that step's checkpoint.
 fn headway_train(args: &[&str], abort_after_step: Option<u64>) -> Output {
-    if let Some(step) = abort_after_step {
-        return headway_train_killed("killed_training_child", args, AbortAfter::Step(step));
+    match abort_after_step {
+        Some(step) => headway_train_killed("killed_training_child", args, AbortAfter::Step(step)),
+        None => headway_tests::headway_train(args),
     }
-    Command::new(binary("headway-train"))
-        .args(args)
-        .env_remove("LD_LIBRARY_PATH")
-        .env_remove("HEADWAY_TARGET")
-        .output()
-        .unwrap()
 }
 
 /// Not a test: the child process of the kill tests here (see `headway_train_killed`).

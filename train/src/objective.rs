@@ -365,7 +365,6 @@ impl Objective for EagleObjective {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use headway_heads::EagleConfig;
     use headway_model::testing::tiny_config;
     use tch::Device;
 
@@ -374,26 +373,9 @@ mod tests {
     }
 
     fn tapped_objective(unroll: usize, taps: Vec<usize>) -> EagleObjective {
-        tch::manual_seed(11);
-        let config = tiny_config();
-        let options = (Kind::Float, Device::Cpu);
-        let embed = Tensor::randn(
-            [config.vocab_size as i64, config.hidden_size as i64],
-            options,
-        );
-        let head = EagleHead::new(
-            EagleConfig::for_target(&config, 1).with_taps(taps),
-            &embed,
-            &embed.narrow(0, 0, 64),
-        )
-        .unwrap();
-        EagleObjective::new(
-            head,
-            0.0,
-            0.1,
-            unroll,
-            headway_model::CpuThreads::new(2).batch(),
-        )
+        let head = headway_heads::testing::tiny_eagle_head(11, 1, taps, 64);
+        let cpu = headway_model::CpuThreads::new(2).batch();
+        EagleObjective::new(head, 0.0, 0.1, unroll, cpu)
     }
 
     fn batch() -> Batch {

@@ -161,15 +161,20 @@ struct WarmUp<R> {
     lookup_chains: Option<Vec<Vec<u32>>>,
 }
 
-/// Greedy decoding of every prompt with `drafter` recording its drafts (and what `lookup` would
-/// have proposed beside them).
-fn record_warm_up<D: Recording>(
+/// The target's latency profile after the longest prompt, and greedy decoding of every prompt
+/// with the drafter `make` builds for the room they need, recording its drafts (and what `lookup`
+/// would have proposed beside them).
+fn profile_and_record<D: Recording>(
     target: &Target,
-    drafter: &mut D,
+    make: impl FnOnce(usize) -> Result<D>,
     lookup: Option<&LookupDrafter>,
     prompts: &[Vec<u32>],
     new_tokens: usize,
-) -> Result<WarmUp<D::Record>> {
+) -> Result<(LatencyProfile, WarmUp<D::Record>)> {
+    let longest = prompts.iter().map(Vec::len).max().unwrap_or(0);
+    let latency = LatencyProfile::measure(target, longest.max(64), 3)?;
+    let mut drafter = make(longest + new_tokens + 1)?;
+    let drafter = &mut drafter;
     let mut warm_up = WarmUp {
         steps: Vec::new(),
         draft_seconds: 0.0,
@@ -194,7 +199,7 @@ fn record_warm_up<D: Recording>(
             warm_up.steps.push((record, sequence[root + 1..].to_vec()));
         }
     }
-    Ok(warm_up)
+    Ok((latency, warm_up))
 }
 
 /// Accepted length of `tree` when the right continuation after the root is `truth`.
@@ -325,16 +330,15 @@ pub fn tune_eagle(
     prompts: &[Vec<u32>],
     new_tokens: usize,
 ) -> Result<(EagleTreeShape, Tuning)> {
-    let longest = prompts.iter().map(Vec::len).max().unwrap_or(0);
-    let latency = LatencyProfile::measure(target, longest.max(64), 3)?;
-    let capacity = longest + new_tokens + 1;
-    let mut drafter = EagleDrafter::new(head, d2t, max, capacity, target.cpu.decode())?;
+    let cpu = target.cpu.decode();
+    let make = |capacity| EagleDrafter::new(head, d2t, max, capacity, cpu);
+    let (latency, warm_up) = profile_and_record(target, make, lookup, prompts, new_tokens)?;
     let WarmUp {
         steps,
         draft_seconds,
         step_count,
         lookup_chains,
-    } = record_warm_up(target, &mut drafter, lookup, prompts, new_tokens)?;
+    } = warm_up;
     let chain = |i: usize| lookup_chains.as_ref().map(|c| c[i].as_slice());
     let per_depth = draft_seconds / step_count.max(1) as f64 / max.depth as f64;
     let mut options = Vec::new();
@@ -391,16 +395,15 @@ pub fn tune_medusa(
     prompts: &[Vec<u32>],
     new_tokens: usize,
 ) -> Result<(TreeChoices, Tuning)> {
-    let longest = prompts.iter().map(Vec::len).max().unwrap_or(0);
-    let latency = LatencyProfile::measure(target, longest.max(64), 3)?;
-    let chain = TreeChoices::chain(1);
-    let mut drafter = MedusaDrafter::new(heads, d2t, chain, target.cpu.decode())?;
+    let cpu = target.cpu.decode();
+    let make = |_| MedusaDrafter::new(heads, d2t, TreeChoices::chain(1), cpu);
+    let (latency, warm_up) = profile_and_record(target, make, lookup, prompts, new_tokens)?;
     let WarmUp {
         steps,
         draft_seconds,
         step_count,
         lookup_chains,
-    } = record_warm_up(target, &mut drafter, lookup, prompts, new_tokens)?;
+    } = warm_up;
     let accuracy = rank_accuracy(&steps);
     let draft_step = draft_seconds / step_count.max(1) as f64;
     let mut options = Vec::new();

@@ -12,7 +12,7 @@ use headway_engine::engine::{generate_greedy, generate_speculative, Session};
 use headway_engine::tree::{DraftTree, Proposal, TreeChoices};
 use headway_heads::{DraftVocab, EagleConfig, EagleHead, MedusaConfig, MedusaHeads};
 use headway_model::mask::positions;
-use headway_model::testing::{fixture_path, real_target_dir, write_tiny_model, TINY_VOCAB};
+use headway_model::testing::{fixture_path, real_target, write_tiny_model, TINY_VOCAB};
 use headway_model::{
     generate, CpuPolicy, CpuThreads, ForwardInput, KvCache, Message, Sampler, SamplingParams,
     Target,
@@ -534,13 +534,7 @@ struct GreedyCase {
 
 #[test]
 fn greedy_speculative_output_equals_plain_greedy_on_smollm2() {
-    let target = Target::load(
-        &real_target_dir(),
-        Kind::Float,
-        Device::Cpu,
-        CpuThreads::new(2),
-    )
-    .unwrap();
+    let target = real_target();
     let text = std::fs::read_to_string(fixture_path("greedy_reference.json")).unwrap();
     let fixture: GreedyFixture = serde_json::from_str(&text).unwrap();
     tch::manual_seed(3);

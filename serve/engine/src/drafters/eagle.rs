@@ -343,7 +343,6 @@ pub fn best_subtree(candidates: &[Candidate], size: usize) -> DraftTree {
 #[cfg(test)]
 pub(crate) mod tests {
     use super::*;
-    use headway_heads::EagleConfig;
     use headway_model::testing::tiny_config;
     use tch::Device;
 
@@ -354,14 +353,8 @@ pub(crate) mod tests {
 
     /// The same, fusing `taps` through a random (not the fresh, zero) tap projection.
     fn tapped_frozen_head(seed: i64, layers: usize, taps: Vec<usize>) -> EagleHead {
-        tch::manual_seed(seed);
-        let config = tiny_config();
-        let embed = Tensor::randn(
-            [config.vocab_size as i64, config.hidden_size as i64],
-            (Kind::Float, Device::Cpu),
-        );
-        let config = EagleConfig::for_target(&config, layers).with_taps(taps);
-        let mut head = EagleHead::new(config, &embed, &embed).unwrap();
+        let vocab = tiny_config().vocab_size as i64;
+        let mut head = headway_heads::testing::tiny_eagle_head(seed, layers, taps, vocab);
         headway_heads::testing::randomize_tap_projection(&mut head, 0.1);
         head.params.freeze();
         head
