@@ -2,7 +2,7 @@
 
 use std::path::Path;
 
-use headway_heads::{DraftVocab, EagleConfig, EagleHead, MedusaHeads};
+use headway_heads::{DraftVocab, Eagle3Config, Eagle3Head, EagleConfig, EagleHead, MedusaHeads};
 use headway_model::fingerprint::target_fingerprint;
 use headway_model::Target;
 
@@ -12,14 +12,16 @@ use crate::{invalid, load, Checkpoint, HeadKind, Result};
 pub enum DraftHead {
     Medusa(MedusaHeads),
     Eagle(EagleHead),
+    Eagle3(Eagle3Head),
 }
 
 impl DraftHead {
-    /// `medusa` or `eagle`.
+    /// `medusa`, `eagle` or `eagle3`.
     pub fn name(&self) -> &'static str {
         match self {
             Self::Medusa(_) => "medusa",
             Self::Eagle(_) => "eagle",
+            Self::Eagle3(_) => "eagle3",
         }
     }
 }
@@ -52,20 +54,36 @@ pub fn load_head(path: &Path, target: &Target) -> Result<LoadedHead> {
             layers,
             taps,
             embed_scale,
+            fc_bias,
         } => DraftHead::Eagle(
             EagleHead::new(
                 EagleConfig::for_target(target.model.config(), *layers)
                     .with_taps(taps.clone())
-                    .with_embed_scale(*embed_scale),
+                    .with_embed_scale(*embed_scale)
+                    .with_fc_bias(*fc_bias),
                 target.model.model.embed_tokens(),
                 &lm_head,
             )
             .map_err(build)?,
         ),
+        HeadKind::Eagle3 { taps } => {
+            let Some(vocab) = &draft_vocab else {
+                return Err(invalid(
+                    &checkpoint.dir,
+                    "an EAGLE-3 checkpoint needs its draft vocabulary (`draft_vocab` in config.json)",
+                ));
+            };
+            let config = Eagle3Config::for_target(target.model.config(), taps.clone(), vocab.len());
+            DraftHead::Eagle3(
+                Eagle3Head::new(config, target.model.model.embed_tokens(), &lm_head)
+                    .map_err(build)?,
+            )
+        }
     };
     let params = match &mut head {
         DraftHead::Medusa(heads) => &mut heads.params,
         DraftHead::Eagle(head) => &mut head.params,
+        DraftHead::Eagle3(head) => &mut head.params,
     };
     params.load(&checkpoint.weights).map_err(build)?;
     Ok(LoadedHead {

@@ -78,11 +78,27 @@ pub enum HeadKind {
         /// option: 1).
         #[serde(default = "unit_scale", skip_serializing_if = "is_unit_scale")]
         embed_scale: f64,
+        /// Whether `fc` has a bias (checkpoints from before the option: yes).
+        #[serde(default = "yes", skip_serializing_if = "is_yes")]
+        fc_bias: bool,
+    },
+    /// An EAGLE-3 head fusing these target layers' residual streams (its draft vocabulary is the
+    /// config's `draft_vocab`).
+    Eagle3 {
+        taps: Vec<usize>,
     },
 }
 
 fn one_layer() -> usize {
     1
+}
+
+fn yes() -> bool {
+    true
+}
+
+fn is_yes(value: &bool) -> bool {
+    *value
 }
 
 fn unit_scale() -> f64 {
@@ -98,6 +114,7 @@ impl HeadKind {
         match self {
             Self::Medusa(_) => "medusa",
             Self::Eagle { .. } => "eagle",
+            Self::Eagle3 { .. } => "eagle3",
         }
     }
 }
@@ -299,6 +316,7 @@ mod tests {
                 layers: 2,
                 taps: vec![2, 15],
                 embed_scale: 1.0,
+                fc_bias: true,
             },
             target: TargetRef {
                 fingerprint: "sha256:abc".into(),
@@ -351,12 +369,14 @@ mod tests {
             layers: 1,
             taps: vec![],
             embed_scale: 1.0,
+            fc_bias: true,
         };
         assert_eq!(old, one);
         let two = HeadKind::Eagle {
             layers: 2,
             taps: vec![],
             embed_scale: 1.0,
+            fc_bias: true,
         };
         let text = serde_json::to_string(&two).unwrap();
         assert_eq!(text, r#"{"kind":"eagle","layers":2}"#);
@@ -364,6 +384,7 @@ mod tests {
             layers: 1,
             taps: vec![2, 15],
             embed_scale: 13.5,
+            fc_bias: true,
         };
         let text = serde_json::to_string(&tapped).unwrap();
         assert_eq!(
@@ -371,6 +392,15 @@ mod tests {
             r#"{"kind":"eagle","layers":1,"taps":[2,15],"embed_scale":13.5}"#
         );
         assert_eq!(serde_json::from_str::<HeadKind>(&text).unwrap(), tapped);
+        let unbiased = HeadKind::Eagle {
+            layers: 1,
+            taps: vec![],
+            embed_scale: 1.0,
+            fc_bias: false,
+        };
+        let text = serde_json::to_string(&unbiased).unwrap();
+        assert_eq!(text, r#"{"kind":"eagle","layers":1,"fc_bias":false}"#);
+        assert_eq!(serde_json::from_str::<HeadKind>(&text).unwrap(), unbiased);
     }
 
     #[test]

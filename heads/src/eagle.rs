@@ -22,14 +22,24 @@
 //! columns on export ([`fold_embed_scale`]), the head is an ordinary EAGLE-1 head.
 
 use headway_model::linear::Linear;
-use headway_model::{CpuPolicy, DecoderLayer, KvCache, ModelConfig, Rotary};
+use headway_model::{AttentionInput, CpuPolicy, DecoderLayer, KvCache, ModelConfig, Rotary};
 use tch::{Device, Kind, Tensor};
 
 use crate::error::{HeadError, Result};
+use crate::feature_head::{FeatureHead, FeatureModules};
 use crate::params::Params;
 
 /// The tap fusion's projection `[hidden, taps × hidden]`.
 pub(crate) const TAP_PROJ: &str = "tap_proj.weight";
+
+/// What decoder layer `index` reads: only the first reads its input un-normed (`fc`'s output,
+/// not a residual stream), as in EAGLE's `cnets.py` and vLLM.
+fn input(index: usize) -> AttentionInput {
+    match index {
+        0 => AttentionInput::Raw,
+        _ => AttentionInput::Normed,
+    }
+}
 
 /// Prefix of decoder layer `index`'s parameters.
 pub fn layer_prefix(index: usize) -> String {
@@ -46,6 +56,9 @@ pub struct EagleConfig {
     pub taps: Vec<usize>,
     /// Factor on the token embedding before `fc` (EAGLE-1: 1).
     pub embed_scale: f64,
+    /// Whether `fc` has a bias: the EAGLE repository's default and its Vicuna/LLaMA-2 heads have
+    /// one; its LLaMA-3 heads and vLLM's loader have none.
+    pub fc_bias: bool,
 }
 
 impl EagleConfig {
@@ -57,7 +70,13 @@ impl EagleConfig {
             layer,
             taps: Vec::new(),
             embed_scale: 1.0,
+            fc_bias: true,
         }
+    }
+
+    /// The same head with or without a bias in `fc`.
+    pub fn with_fc_bias(self, fc_bias: bool) -> Self {
+        Self { fc_bias, ..self }
     }
 
     /// The same head reading the target's residual stream after each of `taps` layers.
@@ -145,15 +164,20 @@ impl EagleHead {
     /// policy when drafting, batch work's in training). Call again after the parameters change
     /// (the decoder layer holds concatenations of them).
     pub fn modules(&self, cpu: CpuPolicy) -> Result<EagleModules<'_>> {
-        let fc = Linear::new(
-            self.params.get("fc.weight")?.shallow_clone(),
-            Some(self.params.get("fc.bias")?.shallow_clone()),
-        );
-        // Only the first layer reads its input un-normed: `fc`'s output, not a residual stream.
+        let bias = match self.config.fc_bias {
+            true => Some(self.params.get("fc.bias")?.shallow_clone()),
+            false => None,
+        };
+        let fc = Linear::new(self.params.get("fc.weight")?.shallow_clone(), bias);
         let layers = (0..self.config.layers())
             .map(|index| {
                 let prefix = layer_prefix(index);
-                DecoderLayer::load_with(&mut &self.params, &prefix, &self.config.layer, index > 0)
+                DecoderLayer::load_with(
+                    &mut &self.params,
+                    &prefix,
+                    &self.config.layer,
+                    input(index),
+                )
             })
             .collect::<std::result::Result<Vec<_>, _>>()?;
         let tap_proj = if self.config.taps.is_empty() {
@@ -173,9 +197,14 @@ impl EagleHead {
             cpu,
         })
     }
+}
 
-    /// A KV cache for the head's layers.
-    pub fn new_cache(&self, batch: usize, capacity: usize) -> Result<KvCache> {
+impl FeatureHead for EagleHead {
+    fn modules(&self, cpu: CpuPolicy) -> Result<Box<dyn FeatureModules + '_>> {
+        Ok(Box::new(EagleHead::modules(self, cpu)?))
+    }
+
+    fn new_cache(&self, batch: usize, capacity: usize) -> Result<KvCache> {
         Ok(KvCache::new(
             &self.config.layer,
             batch,
@@ -183,6 +212,10 @@ impl EagleHead {
             Kind::Float,
             self.device(),
         )?)
+    }
+
+    fn taps(&self) -> &[usize] {
+        &self.config.taps
     }
 }
 
@@ -198,11 +231,11 @@ pub struct EagleModules<'a> {
     cpu: CpuPolicy,
 }
 
-impl EagleModules<'_> {
+impl FeatureModules for EagleModules<'_> {
     /// The head's input features `[..., hidden]` at positions where the target's are known: its
     /// final features `hidden`, plus the projected tap fusion of `taps` (one `[..., hidden]`
     /// tensor per configured tap, in order) for a tapped head.
-    pub fn fuse(&self, hidden: &Tensor, taps: &[Tensor]) -> Result<Tensor> {
+    fn fuse(&self, hidden: &Tensor, taps: &[Tensor]) -> Result<Tensor> {
         let hidden = hidden.to_kind(Kind::Float);
         match &self.tap_proj {
             None if taps.is_empty() => Ok(hidden),
@@ -225,7 +258,7 @@ impl EagleModules<'_> {
     /// features `[batch, new, hidden]` at `positions` and the ids `[batch, new]` of the tokens
     /// that follow them. With a cache, attention also covers the cached positions; `mask` as in
     /// the target's forward (tree drafting).
-    pub fn forward(
+    fn forward(
         &self,
         features: &Tensor,
         next_ids: &Tensor,
@@ -258,10 +291,12 @@ impl EagleModules<'_> {
     }
 
     /// Logits over the draft vocabulary for features `[..., hidden]` (the frozen target LM head).
-    pub fn logits(&self, features: &Tensor) -> Tensor {
+    fn logits(&self, features: &Tensor) -> Tensor {
         self.lm_head.forward(features, &self.cpu)
     }
+}
 
+impl EagleModules<'_> {
     /// The frozen LM head's weight `[draft vocab, hidden]`.
     pub fn lm_head_weight(&self) -> &Tensor {
         self.lm_head.weight()
@@ -305,17 +340,16 @@ fn rms_normalised(x: &Tensor) -> Tensor {
 /// layout, plus `tap_proj.weight` for a tapped head).
 pub fn parameter_shapes(config: &EagleConfig) -> Result<Vec<(String, Vec<i64>)>> {
     let h = config.layer.hidden_size as i64;
-    let mut shapes = vec![
-        ("fc.weight".to_string(), vec![h, 2 * h]),
-        ("fc.bias".to_string(), vec![h]),
-    ];
+    let mut shapes = vec![("fc.weight".to_string(), vec![h, 2 * h])];
+    if config.fc_bias {
+        shapes.push(("fc.bias".to_string(), vec![h]));
+    }
     if !config.taps.is_empty() {
         shapes.push((TAP_PROJ.to_string(), vec![h, config.taps.len() as i64 * h]));
     }
     for index in 0..config.layers() {
-        // Only the first layer reads its input un-normed: `fc`'s output, not a residual stream.
         let mut layer =
-            DecoderLayer::weight_shapes(&layer_prefix(index), &config.layer, index > 0)?;
+            DecoderLayer::weight_shapes(&layer_prefix(index), &config.layer, input(index))?;
         // Matrices before vectors: the order in which `EagleHead::new` draws them from the seeded
         // generator, kept so that a seed gives the same head as in earlier versions.
         layer.sort_by_key(|(_, shape)| shape.len() == 1);

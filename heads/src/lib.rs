@@ -1,4 +1,5 @@
-//! Draft heads for speculative decoding: Medusa heads and the EAGLE feature-conditioned head.
+//! Draft heads for speculative decoding: Medusa heads and the EAGLE-1 and EAGLE-3
+//! feature-conditioned heads (both drafting through [`FeatureHead`]).
 //!
 //! Heads read the target's final (post-norm) hidden states and reuse its frozen embedding and LM
 //! head. Their trainable tensors live in a [`Params`] map under the names the reference
@@ -12,13 +13,17 @@
 
 pub mod draft_vocab;
 pub mod eagle;
+pub mod eagle3;
 pub mod error;
+pub mod feature_head;
 pub mod medusa;
 pub mod params;
 pub mod testing;
 
 pub use draft_vocab::DraftVocab;
 pub use eagle::{EagleConfig, EagleHead};
+pub use eagle3::{Eagle3Config, Eagle3Head};
 pub use error::{HeadError, Result};
+pub use feature_head::{FeatureHead, FeatureModules};
 pub use medusa::{MedusaConfig, MedusaHeads};
 pub use params::Params;

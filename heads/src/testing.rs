@@ -4,7 +4,7 @@ use headway_model::testing::tiny_config;
 use tch::{Device, Kind, Tensor};
 
 use crate::eagle::TAP_PROJ;
-use crate::{EagleConfig, EagleHead};
+use crate::{Eagle3Config, Eagle3Head, EagleConfig, EagleHead};
 
 /// A fresh EAGLE head of `layers` layers fusing `taps` for the tiny test target, after seeding
 /// libtorch's generator with `seed`: the target's embedding is random, and the LM head is its
@@ -18,6 +18,24 @@ pub fn tiny_eagle_head(seed: i64, layers: usize, taps: Vec<usize>, lm_rows: i64)
     );
     let config = EagleConfig::for_target(&config, layers).with_taps(taps);
     EagleHead::new(config, &embed, &embed.narrow(0, 0, lm_rows)).expect("a valid tiny head")
+}
+
+/// A fresh EAGLE-3 head for the tiny test target fusing `taps` and drafting over its first
+/// `draft_vocab` tokens, after seeding libtorch's generator with `seed` (random embedding; LM-head
+/// rows from it; the LM head itself random, as a trained head's would be, not the target's).
+pub fn tiny_eagle3_head(seed: i64, taps: Vec<usize>, draft_vocab: usize) -> Eagle3Head {
+    tch::manual_seed(seed);
+    let config = tiny_config();
+    let embed = Tensor::randn(
+        [config.vocab_size as i64, config.hidden_size as i64],
+        (Kind::Float, Device::Cpu),
+    );
+    let rows = Tensor::randn(
+        [draft_vocab as i64, config.hidden_size as i64],
+        (Kind::Float, Device::Cpu),
+    );
+    let config = Eagle3Config::for_target(&config, taps, draft_vocab);
+    Eagle3Head::new(config, &embed, &rows).expect("a valid tiny head")
 }
 
 /// Replaces a tapped head's tap projection, zero when fresh (so the head starts by ignoring its

@@ -37,7 +37,10 @@ pub use dtype::Dtype;
 pub use error::{ModelError, Result};
 pub use generate::{check_request, generate, generate_batch, Generation, StopReason};
 pub use kv_cache::KvCache;
-pub use llama::{CausalLm, DecoderLayer, ForwardInput, ForwardOutput, Llama, LmHead, Rotary};
+pub use llama::{
+    AttentionInput, CausalLm, DecoderLayer, ForwardInput, ForwardOutput, Llama, LmHead, RmsNorm,
+    Rotary,
+};
 pub use mask::TreeInput;
 pub use sampling::{Sampler, SamplingArgs, SamplingParams};
 pub use target::{Target, TargetArgs};

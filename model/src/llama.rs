@@ -48,20 +48,21 @@ fn fused_linear(
 }
 
 /// RMSNorm exactly as HF computes it: statistics in f32, scale in the model dtype.
-struct RmsNorm {
+pub struct RmsNorm {
     weight: Tensor,
     eps: f64,
 }
 
 impl RmsNorm {
-    fn load(source: &mut dyn WeightSource, name: &str, size: usize, eps: f64) -> Result<Self> {
+    /// Loads the norm weight `name` of `size` elements.
+    pub fn load(source: &mut dyn WeightSource, name: &str, size: usize, eps: f64) -> Result<Self> {
         Ok(Self {
             weight: source.tensor(name, &[size as i64])?,
             eps,
         })
     }
 
-    fn forward(&self, x: &Tensor) -> Tensor {
+    pub fn forward(&self, x: &Tensor) -> Tensor {
         let kind = x.kind();
         let x32 = x.to_kind(Kind::Float);
         let variance = x32.pow_tensor_scalar(2).mean_dim(-1, true, Kind::Float);
@@ -136,7 +137,13 @@ struct Attention {
 }
 
 impl Attention {
-    fn load(source: &mut dyn WeightSource, prefix: &str, c: &ModelConfig) -> Result<Self> {
+    /// Loads the projections under `prefix`; q, k and v read `in_features` features.
+    fn load(
+        source: &mut dyn WeightSource,
+        prefix: &str,
+        c: &ModelConfig,
+        in_features: usize,
+    ) -> Result<Self> {
         let (q_rows, kv_rows) = (
             c.num_attention_heads * c.head_dim,
             c.num_key_value_heads * c.head_dim,
@@ -146,7 +153,7 @@ impl Attention {
             prefix,
             &["q_proj", "k_proj", "v_proj"],
             &[q_rows, kv_rows, kv_rows],
-            c.hidden_size,
+            in_features,
             c.qkv_bias,
         )?;
         let o_proj = fused_linear(source, prefix, &["o_proj"], &[c.hidden_size], q_rows, false)?;
@@ -179,11 +186,37 @@ impl Attention {
     }
 
     fn forward(&self, x: &Tensor, rope: &(Tensor, Tensor), ctx: &mut LayerContext) -> Tensor {
+        let (queries, keys, values) = self.queries_keys_values(x, rope, ctx.cpu);
+        let (keys, values) = match ctx.cache.as_deref_mut() {
+            Some(cache) => cache.append(ctx.layer, &keys, &values),
+            None => (keys, values),
+        };
+        let attended = Tensor::scaled_dot_product_attention(
+            &queries,
+            &keys,
+            &values,
+            ctx.mask,
+            0.0,
+            ctx.is_causal,
+            None,
+            self.num_heads != self.num_kv_heads,
+        );
+        self.output(&attended, ctx.cpu)
+    }
+
+    /// Queries `[batch, heads, new, head_dim]`, keys and values `[batch, kv_heads, new,
+    /// head_dim]` of `x` `[batch, new, in_features]`, rotary applied to queries and keys.
+    fn queries_keys_values(
+        &self,
+        x: &Tensor,
+        rope: &(Tensor, Tensor),
+        cpu: &CpuPolicy,
+    ) -> (Tensor, Tensor, Tensor) {
         let (batch, new) = (x.size()[0], x.size()[1]);
         let (h, kv, d) = (self.num_heads, self.num_kv_heads, self.head_dim);
         let qkv = self
             .qkv_proj
-            .forward(x, ctx.cpu)
+            .forward(x, cpu)
             .view([batch, new, h + 2 * kv, d]);
         let values = qkv.narrow(2, h + kv, kv);
         let queries_keys = match &self.qk_norm {
@@ -199,23 +232,16 @@ impl Attention {
         let queries_keys = apply_rotary(&queries_keys, &rope.0, &rope.1);
         let queries = queries_keys.narrow(2, 0, h).transpose(1, 2);
         let keys = queries_keys.narrow(2, h, kv).transpose(1, 2);
-        let values = values.transpose(1, 2);
-        let (keys, values) = match ctx.cache.as_deref_mut() {
-            Some(cache) => cache.append(ctx.layer, &keys, &values),
-            None => (keys, values),
-        };
-        let attended = Tensor::scaled_dot_product_attention(
-            &queries,
-            &keys,
-            &values,
-            ctx.mask,
-            0.0,
-            ctx.is_causal,
-            None,
-            h != kv,
-        );
-        let merged = attended.transpose(1, 2).reshape([batch, new, h * d]);
-        self.o_proj.forward(&merged, ctx.cpu)
+        (queries, keys, values.transpose(1, 2))
+    }
+
+    /// The output projection of attended values `[batch, heads, new, head_dim]`.
+    fn output(&self, attended: &Tensor, cpu: &CpuPolicy) -> Tensor {
+        let (batch, new) = (attended.size()[0], attended.size()[2]);
+        let merged = attended
+            .transpose(1, 2)
+            .reshape([batch, new, self.num_heads * self.head_dim]);
+        self.o_proj.forward(&merged, cpu)
     }
 }
 
@@ -250,9 +276,23 @@ impl Mlp {
     }
 }
 
+/// What a decoder layer's attention reads: the one extension point draft heads need.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum AttentionInput {
+    /// The layer's input after its own `input_layernorm` (every target layer).
+    Normed,
+    /// The layer's input as it is: EAGLE-1's first draft layer reads `fc`'s output, not a
+    /// residual stream, and has no `input_layernorm`.
+    Raw,
+    /// Features of this width that the caller builds (EAGLE-3's draft layer reads the normed
+    /// token embedding beside the normed hidden state, twice the hidden size); the residual stream
+    /// stays hidden-wide. Run with [`DecoderLayer::forward_given`].
+    Given(usize),
+}
+
 /// One pre-norm decoder layer: attention and MLP, each with a residual connection.
 pub struct DecoderLayer {
-    /// `None` only in EAGLE-1's draft layer, whose attention reads its input un-normed.
+    /// `None` when the attention reads its input un-normed or from the caller.
     input_layernorm: Option<RmsNorm>,
     self_attn: Attention,
     post_attention_layernorm: RmsNorm,
@@ -272,15 +312,15 @@ struct LayerContext<'a> {
 impl DecoderLayer {
     /// Loads the layer under `prefix` (e.g. `model.layers.3`).
     pub fn load(source: &mut dyn WeightSource, prefix: &str, c: &ModelConfig) -> Result<Self> {
-        Self::load_with(source, prefix, c, true)
+        Self::load_with(source, prefix, c, AttentionInput::Normed)
     }
 
-    /// Loads the layer, with or without `input_layernorm` (EAGLE-1's draft layer has none).
+    /// Loads the layer whose attention reads `input` (draft heads' layers).
     pub fn load_with(
         source: &mut dyn WeightSource,
         prefix: &str,
         c: &ModelConfig,
-        input_norm: bool,
+        input: AttentionInput,
     ) -> Result<Self> {
         let norm = |source: &mut dyn WeightSource, name: &str| {
             RmsNorm::load(
@@ -290,13 +330,16 @@ impl DecoderLayer {
                 c.rms_norm_eps,
             )
         };
+        let in_features = match input {
+            AttentionInput::Given(width) => width,
+            AttentionInput::Normed | AttentionInput::Raw => c.hidden_size,
+        };
         Ok(Self {
-            input_layernorm: if input_norm {
-                Some(norm(source, "input_layernorm")?)
-            } else {
-                None
+            input_layernorm: match input {
+                AttentionInput::Normed => Some(norm(source, "input_layernorm")?),
+                AttentionInput::Raw | AttentionInput::Given(_) => None,
             },
-            self_attn: Attention::load(source, &format!("{prefix}.self_attn"), c)?,
+            self_attn: Attention::load(source, &format!("{prefix}.self_attn"), c, in_features)?,
             post_attention_layernorm: norm(source, "post_attention_layernorm")?,
             mlp: Mlp::load(source, &format!("{prefix}.mlp"), c)?,
         })
@@ -307,10 +350,10 @@ impl DecoderLayer {
     pub fn weight_shapes(
         prefix: &str,
         c: &ModelConfig,
-        input_norm: bool,
+        input: AttentionInput,
     ) -> Result<Vec<(String, Vec<i64>)>> {
         let mut recorder = ShapeRecorder::default();
-        Self::load_with(&mut recorder, prefix, c, input_norm)?;
+        Self::load_with(&mut recorder, prefix, c, input)?;
         Ok(recorder.into_shapes())
     }
 
@@ -325,18 +368,69 @@ impl DecoderLayer {
         mask: Option<&Tensor>,
         cpu: &CpuPolicy,
     ) -> Result<Tensor> {
-        Self::run_stack(layers, x, rope, cache, mask, cpu, |_, _| {})
+        Self::run_stack(layers, x, cache, mask, cpu, |_, layer, x, ctx| {
+            layer.forward(x, rope, ctx)
+        })
     }
 
-    /// [`Self::forward_stack`], showing `before_layer` each layer's index and input.
+    /// Runs this layer (loaded with [`AttentionInput::Given`]) as the only layer of a draft
+    /// head: `residual` `[batch, new, hidden]` is the stream it adds to, `attention_input`
+    /// `[batch, new, width]` what its attention reads; the cache (if any) holds it as layer 0, and
+    /// `mask` and `cpu` work as in [`ForwardInput`].
+    pub fn forward_given(
+        &self,
+        residual: &Tensor,
+        attention_input: &Tensor,
+        rope: &(Tensor, Tensor),
+        cache: Option<&mut KvCache>,
+        mask: Option<&Tensor>,
+        cpu: &CpuPolicy,
+    ) -> Result<Tensor> {
+        let layers = std::slice::from_ref(self);
+        Self::run_stack(layers, residual, cache, mask, cpu, |_, layer, x, ctx| {
+            let attended = layer.self_attn.forward(attention_input, rope, ctx);
+            layer.after_attention(x, &attended, ctx.cpu)
+        })
+    }
+
+    /// The attention's queries `[batch, heads, new, head_dim]`, keys and values `[batch,
+    /// kv_heads, new, head_dim]` for `attention_input` at `rope`'s positions, as the layer's own
+    /// attention computes them (for attention patterns of its own: EAGLE-3's training-time test).
+    pub fn queries_keys_values(
+        &self,
+        attention_input: &Tensor,
+        rope: &(Tensor, Tensor),
+        cpu: &CpuPolicy,
+    ) -> (Tensor, Tensor, Tensor) {
+        self.self_attn
+            .queries_keys_values(attention_input, rope, cpu)
+    }
+
+    /// The rest of the layer once values are attended (`[batch, heads, new, head_dim]`): the
+    /// output projection added to `residual`, then the MLP with its residual connection.
+    pub fn finish(&self, residual: &Tensor, attended_values: &Tensor, cpu: &CpuPolicy) -> Tensor {
+        let attended = self.self_attn.output(attended_values, cpu);
+        self.after_attention(residual, &attended, cpu)
+    }
+
+    /// `residual + attended`, then the MLP with its residual connection.
+    fn after_attention(&self, residual: &Tensor, attended: &Tensor, cpu: &CpuPolicy) -> Tensor {
+        let x = residual + attended;
+        let mlp = self
+            .mlp
+            .forward(&self.post_attention_layernorm.forward(&x), cpu);
+        x + mlp
+    }
+
+    /// Runs `layers` in order through `run_layer(index, layer, input, context)` with the cache's
+    /// room checked, the implicit mask built and the cache advanced once all have run.
     fn run_stack(
         layers: &[DecoderLayer],
         x: &Tensor,
-        rope: &(Tensor, Tensor),
         mut cache: Option<&mut KvCache>,
         mask: Option<&Tensor>,
         cpu: &CpuPolicy,
-        mut before_layer: impl FnMut(usize, &Tensor),
+        mut run_layer: impl FnMut(usize, &DecoderLayer, &Tensor, &mut LayerContext) -> Tensor,
     ) -> Result<Tensor> {
         cpu.enter();
         let past = cache.as_ref().map_or(0, |c| c.len());
@@ -347,7 +441,6 @@ impl DecoderLayer {
         let implicit = attention_mask(past, new, mask, x.device());
         let mut x = x.shallow_clone();
         for (index, layer) in layers.iter().enumerate() {
-            before_layer(index, &x);
             let mut ctx = LayerContext {
                 layer: index,
                 cache: cache.as_deref_mut(),
@@ -355,7 +448,7 @@ impl DecoderLayer {
                 is_causal: implicit.is_causal,
                 cpu,
             };
-            x = layer.forward(&x, rope, &mut ctx);
+            x = run_layer(index, layer, &x, &mut ctx);
         }
         if let Some(c) = cache {
             c.advance(new);
@@ -368,11 +461,8 @@ impl DecoderLayer {
             Some(norm) => norm.forward(x),
             None => x.shallow_clone(),
         };
-        let x = x + self.self_attn.forward(&attention_input, rope, ctx);
-        let mlp = self
-            .mlp
-            .forward(&self.post_attention_layernorm.forward(&x), ctx.cpu);
-        x + mlp
+        let attended = self.self_attn.forward(&attention_input, rope, ctx);
+        self.after_attention(x, &attended, ctx.cpu)
     }
 }
 
@@ -474,11 +564,13 @@ impl Llama {
         let x = DecoderLayer::run_stack(
             &self.layers,
             &x,
-            &rope,
             cache,
             input.mask,
             input.cpu,
-            |index, x| record_tap(&mut taps, input.taps, index, x),
+            |index, layer, x, ctx| {
+                record_tap(&mut taps, input.taps, index, x);
+                layer.forward(x, &rope, ctx)
+            },
         )?;
         Ok(ForwardOutput {
             hidden: self.norm.forward(&x),

@@ -11,6 +11,7 @@ use headway_engine::autotune::{tune_eagle, tune_medusa, Tuning};
 use headway_engine::drafters::{EagleTreeShape, LookupDrafter};
 use headway_engine::tree::TreeChoices;
 use headway_engine::{DraftPlan, ModelDraft};
+use headway_heads::FeatureHead;
 use headway_model::Target;
 
 /// Decoding methods.
@@ -20,6 +21,8 @@ pub enum Method {
     Ar,
     /// The EAGLE head (--heads) with EAGLE-2 dynamic trees.
     Eagle,
+    /// An EAGLE-3 head (--heads) with EAGLE-2 dynamic trees.
+    Eagle3,
     /// Medusa heads (--heads) with a static tree.
     Medusa,
     /// A smaller model with the target's tokenizer (--draft-model) drafting a chain.
@@ -33,6 +36,7 @@ impl Method {
         match self {
             Self::Ar => "ar",
             Self::Eagle => "eagle",
+            Self::Eagle3 => "eagle3",
             Self::Medusa => "medusa",
             Self::Draft => "draft",
             Self::Lookup => "lookup",
@@ -46,7 +50,7 @@ pub struct DraftArgs {
     /// Decoding method.
     #[arg(long, value_enum, default_value = "ar")]
     pub method: Method,
-    /// Head checkpoint (or training directory) for --method eagle|medusa.
+    /// Head checkpoint (or training directory) for --method eagle|eagle3|medusa.
     #[arg(long)]
     pub heads: Option<PathBuf>,
     /// Draft model directory for --method draft (same tokenizer as the target).
@@ -147,7 +151,7 @@ impl DraftArgs {
         target: &Target,
         warm_up: &[Vec<u32>],
     ) -> anyhow::Result<(DraftPlan, Option<Tuning>)> {
-        let model = matches!(self.method, Method::Eagle | Method::Medusa | Method::Draft);
+        let model = !matches!(self.method, Method::Ar | Method::Lookup);
         if self.with_lookup && !model {
             bail!(
                 "--with-lookup adds prompt lookup to a model's drafts (eagle, medusa, draft); \
@@ -155,7 +159,7 @@ impl DraftArgs {
                 self.method.name()
             );
         }
-        let tuned = matches!(self.method, Method::Eagle | Method::Medusa);
+        let tuned = matches!(self.method, Method::Eagle | Method::Eagle3 | Method::Medusa);
         if self.tree_tokens == TreeTokens::Auto && !tuned {
             bail!(
                 "--tree-tokens auto tunes EAGLE and Medusa trees, not --method {}",
@@ -168,6 +172,7 @@ impl DraftArgs {
             Method::Lookup => return Ok((DraftPlan::Lookup(self.lookup()), None)),
             Method::Draft => (self.draft_model(target)?, None),
             Method::Eagle => self.eagle(target, with_lookup.as_ref(), warm_up)?,
+            Method::Eagle3 => self.eagle3(target, with_lookup.as_ref(), warm_up)?,
             Method::Medusa => self.medusa(target, with_lookup.as_ref(), warm_up)?,
         };
         let draft = Box::new(draft);
@@ -229,12 +234,44 @@ impl DraftArgs {
             other => Err(other.name()),
         })?;
         head.params.freeze();
+        let (shape, tuning) = self.eagle_shape(target, &head, d2t.as_deref(), lookup, warm_up)?;
+        Ok((ModelDraft::Eagle { head, d2t, shape }, tuning))
+    }
+
+    fn eagle3(
+        &self,
+        target: &Target,
+        lookup: Option<&LookupDrafter>,
+        warm_up: &[Vec<u32>],
+    ) -> anyhow::Result<(ModelDraft, Option<Tuning>)> {
+        let (mut head, d2t) = self.load_heads(target, |loaded| match loaded {
+            DraftHead::Eagle3(head) => Ok(head),
+            other => Err(other.name()),
+        })?;
+        let Some(d2t) = d2t else {
+            bail!("--heads: an EAGLE-3 checkpoint without its draft vocabulary");
+        };
+        head.params.freeze();
+        let (shape, tuning) = self.eagle_shape(target, &head, Some(&d2t), lookup, warm_up)?;
+        Ok((ModelDraft::Eagle3 { head, d2t, shape }, tuning))
+    }
+
+    /// The EAGLE-2 tree shape of `--depth`, `--tree-top-k` and `--tree-tokens`, tuned for `head`
+    /// on this device with `--tree-tokens auto`.
+    fn eagle_shape(
+        &self,
+        target: &Target,
+        head: &dyn FeatureHead,
+        d2t: Option<&[u32]>,
+        lookup: Option<&LookupDrafter>,
+        warm_up: &[Vec<u32>],
+    ) -> anyhow::Result<(EagleTreeShape, Option<Tuning>)> {
         let widest = EagleTreeShape {
             depth: self.depth,
             top_k: self.tree_top_k,
             tree_tokens: AUTO_MAX_TREE_TOKENS,
         };
-        let (shape, tuning) = match self.tree_tokens {
+        Ok(match self.tree_tokens {
             TreeTokens::Fixed(tree_tokens) => (
                 EagleTreeShape {
                     tree_tokens,
@@ -243,13 +280,11 @@ impl DraftArgs {
                 None,
             ),
             TreeTokens::Auto => {
-                let d2t = d2t.as_deref();
                 let (shape, tuning) =
-                    tune_eagle(target, &head, d2t, widest, lookup, warm_up, WARM_UP_TOKENS)?;
+                    tune_eagle(target, head, d2t, widest, lookup, warm_up, WARM_UP_TOKENS)?;
                 (shape, Some(tuning))
             }
-        };
-        Ok((ModelDraft::Eagle { head, d2t, shape }, tuning))
+        })
     }
 
     fn medusa(

@@ -117,6 +117,11 @@ fn a_resumed_run_ends_with_the_same_weights_as_an_uninterrupted_one() {
             "medusa",
             &["--heads", "2", "--draft-vocab", "64", "--precision", "bf16"][..],
         ),
+        // EAGLE-3: unrolled rounds over one tap, its own LM head over a draft vocabulary.
+        (
+            "eagle3",
+            &["--taps", "1", "--ttt", "2", "--draft-vocab", "64"][..],
+        ),
     ] {
         let whole = root.join(format!("{head}-whole"));
         let parts = root.join(format!("{head}-parts"));
@@ -151,10 +156,10 @@ fn a_resumed_run_ends_with_the_same_weights_as_an_uninterrupted_one() {
         let eval = eval_heads(&whole, root);
         assert!(eval.status.success(), "{}", stderr(&eval));
         let table = stdout(&eval);
-        let wanted = if head == "eagle" {
-            ["top1", "alpha5"]
-        } else {
-            ["head0/top1", "head1/top5"]
+        let wanted = match head {
+            "eagle" => ["top1", "alpha5"],
+            "eagle3" => ["acc_0", "acc_1"],
+            _ => ["head0/top1", "head1/top5"],
         };
         for name in wanted {
             assert!(table.contains(name), "{head} eval lacks {name}: {table}");
@@ -220,18 +225,17 @@ fn export_then_import_gives_back_the_same_head() {
         (
             "eagle",
             "eagle",
-            &[
-                "--draft-vocab",
-                "100",
-                "--layers",
-                "2",
-                "--embed-scale",
-                "1",
-            ][..],
+            &["--layers", "2", "--embed-scale", "1", "--fc-bias"][..],
             true,
         ),
         ("eagle-scaled", "eagle", &["--embed-scale", "4"][..], false),
         ("medusa", "medusa", &["--heads", "2"][..], true),
+        (
+            "eagle3",
+            "eagle3",
+            &["--taps", "1,1,1", "--ttt", "3", "--draft-vocab", "64"][..],
+            true,
+        ),
     ] {
         let trained = root.join(format!("{name}-run"));
         let args = train_args(head, root, trained.to_str().unwrap(), extra);
@@ -252,10 +256,10 @@ fn export_then_import_gives_back_the_same_head() {
             ],
         );
         assert!(out.status.success(), "{}", stderr(&out));
-        let expected_file = if head == "eagle" {
-            "model.safetensors"
-        } else {
+        let expected_file = if head == "medusa" {
             "medusa_lm_head.safetensors"
+        } else {
+            "model.safetensors"
         };
         assert!(exported.join(expected_file).exists() && exported.join("config.json").exists());
         let imported = root.join(format!("{name}-imported"));
@@ -403,5 +407,149 @@ fn a_run_of_whole_epochs_reports_the_held_out_figures_of_its_final_weights() {
     assert!(
         (reported - measured).abs() < 1e-3,
         "the run reported held-out loss {reported}, its final checkpoint evaluates to {measured}"
+    );
+}
+
+/// What each loader needs, or a refusal naming why it cannot load the head: EAGLE-1's `fc` bias
+/// and architecture per engine, a draft vocabulary no EAGLE-1 loader reads, EAGLE-3's three
+/// taps, and a head imported as the wrong kind.
+#[test]
+fn exports_write_what_each_loader_reads_and_refuse_what_none_can() {
+    let dir = tempfile::tempdir().unwrap();
+    let root = dir.path();
+    features(root);
+    let target = root.join("target");
+    let train = |name: &str, head: &str, extra: &[&str]| {
+        let out = root.join(name);
+        let args = train_args(head, root, out.to_str().unwrap(), extra);
+        let trained = headway_train(&as_strs(&args), None);
+        assert!(trained.status.success(), "{name}: {}", stderr(&trained));
+        out
+    };
+    let export = |heads: &Path, format: &str, name: &str, extra: &[&str]| {
+        let out = root.join(name);
+        let mut args = vec![
+            "export",
+            "--heads",
+            heads.to_str().unwrap(),
+            "--format",
+            format,
+            "--out",
+            out.to_str().unwrap(),
+            "--target",
+            target.to_str().unwrap(),
+        ];
+        args.extend(extra);
+        (run("headway-train", &args), out)
+    };
+    let config = |dir: &Path| -> serde_json::Value {
+        serde_json::from_str(&std::fs::read_to_string(dir.join("config.json")).unwrap()).unwrap()
+    };
+    let tensor_names = |dir: &Path| {
+        let path = dir.join("model.safetensors");
+        let bytes = std::fs::read(&path).unwrap();
+        let (tensors, _) =
+            headway_model::safetensors_io::from_safetensors_bytes(&bytes, &path).unwrap();
+        let mut names: Vec<String> = tensors.into_keys().collect();
+        names.sort();
+        names
+    };
+
+    let reduced = train("eagle-reduced", "eagle", &["--draft-vocab", "50"]);
+    let (out, vllm) = export(&reduced, "eagle", "eagle-vllm", &[]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    assert!(
+        stderr(&out).contains("drafts over all of them"),
+        "{}",
+        stderr(&out)
+    );
+    let written = config(&vllm);
+    assert_eq!(written["bias"], false, "vLLM builds fc without a bias");
+    assert_eq!(written["architectures"][0], "LlamaForCausalLM");
+    assert!(written.get("draft_vocab_size").is_none());
+    let names = tensor_names(&vllm);
+    assert!(names.contains(&"fc.weight".to_string()));
+    assert!(
+        !names
+            .iter()
+            .any(|n| n == "fc.bias" || n == "d2t" || n == "t2d"),
+        "{names:?}"
+    );
+    let (out, sglang) = export(&reduced, "eagle", "eagle-sglang", &["--engine", "sglang"]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    assert_eq!(config(&sglang)["architectures"][0], "LlamaForCausalLMEagle");
+
+    let one_tap = train("eagle3-one-tap", "eagle3", &["--taps", "1", "--ttt", "2"]);
+    let (out, _) = export(&one_tap, "eagle3", "eagle3-one-tap-out", &[]);
+    assert!(
+        !out.status.success() && stderr(&out).contains("exactly three"),
+        "{}",
+        stderr(&out)
+    );
+    let eagle3 = train("eagle3", "eagle3", &["--taps", "1,1,1", "--ttt", "2"]);
+    // Served through the front end, with a tuned tree: the same greedy text as plain decoding.
+    let generate = |method: &[&str]| {
+        let mut args = vec![
+            "generate",
+            "--target",
+            target.to_str().unwrap(),
+            "--prompt",
+            "Count to 5.",
+            "--max-new-tokens",
+            "12",
+        ];
+        args.extend(method);
+        let out = run("headway-serve", &args);
+        assert!(out.status.success(), "{method:?}: {}", stderr(&out));
+        stdout(&out)
+    };
+    let speculative = generate(&[
+        "--method",
+        "eagle3",
+        "--heads",
+        eagle3.to_str().unwrap(),
+        "--tree-tokens",
+        "auto",
+    ]);
+    assert_eq!(speculative, generate(&["--method", "ar"]));
+    let (out, exported) = export(&eagle3, "eagle3", "eagle3-out", &[]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    let written = config(&exported);
+    assert_eq!(written["architectures"][0], "LlamaForCausalLMEagle3");
+    assert_eq!(written["tie_word_embeddings"], false);
+    assert!(written["draft_vocab_size"].as_u64().is_some());
+    let names = tensor_names(&exported);
+    for name in ["fc.weight", "norm.weight", "lm_head.weight", "d2t", "t2d"] {
+        assert!(names.contains(&name.to_string()), "{name} in {names:?}");
+    }
+    assert!(names.iter().any(|n| n.starts_with("midlayer.self_attn.")));
+    assert!(!names.iter().any(|n| n == "fc.bias"));
+    let import_as = |from: &Path, format: &str| {
+        run(
+            "headway-train",
+            &[
+                "import",
+                "--from",
+                from.to_str().unwrap(),
+                "--format",
+                format,
+                "--out",
+                root.join("imported").to_str().unwrap(),
+                "--target",
+                target.to_str().unwrap(),
+            ],
+        )
+    };
+    let wrong = import_as(&exported, "eagle");
+    assert!(
+        !wrong.status.success() && stderr(&wrong).contains("EAGLE-3 head"),
+        "{}",
+        stderr(&wrong)
+    );
+    let wrong = import_as(&vllm, "eagle3");
+    assert!(
+        !wrong.status.success() && stderr(&wrong).contains("no EAGLE-3 head"),
+        "{}",
+        stderr(&wrong)
     );
 }

@@ -9,13 +9,15 @@ use headway_checkpoints::{
 };
 use headway_datasets::features::{FeatureSet, ShardSplit};
 use headway_heads::eagle::balanced_embed_scale;
-use headway_heads::{DraftVocab, EagleConfig, EagleHead, MedusaConfig, MedusaHeads};
+use headway_heads::{
+    DraftVocab, Eagle3Config, Eagle3Head, EagleConfig, EagleHead, MedusaConfig, MedusaHeads,
+};
 use headway_model::fingerprint::target_fingerprint;
 use headway_model::{Target, TargetArgs};
 use tch::{Kind, Tensor};
 
 use crate::data::{tap_columns, BatchStream};
-use crate::objective::{EagleObjective, MedusaObjective, Objective};
+use crate::objective::{Eagle3Objective, EagleObjective, MedusaObjective, Objective};
 use crate::optim::AdamWConfig;
 use crate::trainer::{evaluate, summary_line, Precision, TrainSettings, Trainer};
 use crate::Hooks;
@@ -128,7 +130,37 @@ pub struct EagleArgs {
     /// EAGLE-1; `export` folds the factor into `fc`).
     #[arg(long, default_value = "auto", value_parser = parse_embed_scale)]
     embed_scale: EmbedScale,
+    /// Give `fc` a bias, as the EAGLE repository's Vicuna and LLaMA-2 heads have. Without it
+    /// (the default) the head is what vLLM's EAGLE loader builds and the LLaMA-3 heads are.
+    #[arg(long)]
+    fc_bias: bool,
 }
+
+#[derive(clap::Args)]
+pub struct Eagle3Args {
+    #[command(flatten)]
+    common: TrainArgs,
+    /// Target layers k (comma-separated, low to high) whose residual streams, the hidden state
+    /// after k decoder layers, `fc` fuses. Default: the references' 2, L/2 and L − 3. The
+    /// features must store them: `prepare --layers`.
+    #[arg(long, value_delimiter = ',')]
+    taps: Vec<usize>,
+    /// Rounds of training-time test: later rounds feed the head its own outputs, as drafting
+    /// past depth 1 does; each costs about one more forward and backward.
+    #[arg(long, default_value_t = 7, value_parser = clap::value_parser!(u16).range(1..=16))]
+    ttt: u16,
+    /// Loss weight of round k is DECAY^k.
+    #[arg(long, default_value_t = 0.8)]
+    decay: f64,
+}
+
+/// Draft depths `eval` scores an EAGLE-3 head at (`acc_0` … `acc_6`, the references' seven).
+const EVAL_ROUNDS: usize = 7;
+
+/// EAGLE-3's draft vocabulary when --draft-vocab is not given (the references use 32,000 of
+/// Llama-3's 128k; SmolLM2's 8,192 most frequent tokens cover about 95% of ShareGPT's replies),
+/// or the whole vocabulary of a smaller one.
+const EAGLE3_DRAFT_VOCAB: usize = 8192;
 
 /// `--embed-scale`.
 #[derive(Debug, Clone, Copy)]
@@ -392,7 +424,8 @@ pub fn run_eagle(args: EagleArgs, hooks: &Hooks) -> anyhow::Result<()> {
     let head = EagleHead::new(
         EagleConfig::for_target(setup.target.model.config(), layers)
             .with_taps(args.taps.clone())
-            .with_embed_scale(embed_scale),
+            .with_embed_scale(embed_scale)
+            .with_fc_bias(args.fc_bias),
         trunk.embed_tokens(),
         &lm_head_rows(&setup.target, draft.as_ref()),
     )?;
@@ -411,8 +444,50 @@ pub fn run_eagle(args: EagleArgs, hooks: &Hooks) -> anyhow::Result<()> {
             layers,
             taps: args.taps,
             embed_scale,
+            fc_bias: args.fc_bias,
         },
         draft.as_ref(),
+        hooks,
+    )
+}
+
+pub fn run_eagle3(args: Eagle3Args, hooks: &Hooks) -> anyhow::Result<()> {
+    let setup = setup(&args.common.target, &args.common.features)?;
+    let target = &setup.target;
+    let taps = match args.taps.is_empty() {
+        true => Eagle3Config::default_taps(target.model.config().num_hidden_layers),
+        false => args.taps.clone(),
+    };
+    // Before the draft-vocabulary count, which reads every shard.
+    tap_columns(&setup.features, &taps)?;
+    let vocab = target.model.config().vocab_size;
+    let size = args
+        .common
+        .draft_vocab
+        .unwrap_or(EAGLE3_DRAFT_VOCAB.min(vocab));
+    let draft = draft_vocab(&setup, Some(size))?.expect("a size was given");
+    tch::manual_seed(args.common.seed as i64);
+    let config = Eagle3Config::for_target(target.model.config(), taps.clone(), draft.len());
+    let head = Eagle3Head::new(
+        config,
+        target.model.model.embed_tokens(),
+        &lm_head_rows(target, Some(&draft)),
+    )?;
+    let mut objective = Eagle3Objective::new(
+        head,
+        &draft,
+        target.model.lm_head.weight(),
+        usize::from(args.ttt),
+        args.decay,
+        target.cpu.batch(),
+    );
+    let kind = HeadKind::Eagle3 { taps };
+    train(
+        &setup,
+        &args.common,
+        &mut objective,
+        kind,
+        Some(&draft),
         hooks,
     )
 }
@@ -434,6 +509,18 @@ pub fn run_eval(args: EvalArgs) -> anyhow::Result<()> {
             cpu,
         )),
         DraftHead::Eagle(head) => Box::new(EagleObjective::new(head, 0.0, 0.1, 1, cpu)),
+        DraftHead::Eagle3(head) => {
+            let draft = draft.context("an EAGLE-3 checkpoint without its draft vocabulary")?;
+            let lm_head = setup.target.model.lm_head.weight();
+            Box::new(Eagle3Objective::new(
+                head,
+                &draft,
+                lm_head,
+                EVAL_ROUNDS,
+                0.8,
+                cpu,
+            ))
+        }
     };
     let metrics = evaluate(
         &setup.features,

@@ -9,6 +9,13 @@
 //!   EAGLE-3's `d2t` (draft index → target id offset, `target = i + d2t[i]`) and `t2d` (bool mask
 //!   over the target vocabulary) with `draft_vocab_size` in the config. A head's embedding scale
 //!   is folded into `fc.weight`'s embedding columns, so the exported head computes the same.
+//! - EAGLE-3 (SpecForge, the EAGLE repository, vLLM, SGLang): `config.json` with
+//!   `architectures: ["LlamaForCausalLMEagle3"]`, one layer, `draft_vocab_size` and
+//!   `tie_word_embeddings: false`, and `model.safetensors` with `fc.weight` (no bias),
+//!   `midlayer.*`, `norm.weight`, `lm_head.weight`, `d2t` and `t2d`. Taps other than the
+//!   references' default (the inputs of layers 2, L/2, L − 3) are written as SGLang's
+//!   `eagle_config.eagle_aux_hidden_state_layer_ids` (layer-output ids: tap − 1). Import also
+//!   reads `layers.0.*` for `midlayer.*` and drops a copied `embed_tokens.weight`.
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -16,9 +23,10 @@ use std::path::{Path, PathBuf};
 use anyhow::Context;
 use headway_checkpoints::{CheckpointConfig, HeadKind, TargetRef, CHECKPOINT_FORMAT};
 use headway_heads::eagle::fold_embed_scale;
-use headway_heads::{EagleConfig, MedusaConfig};
+use headway_heads::{Eagle3Config, EagleConfig, MedusaConfig};
 use headway_model::fingerprint::target_fingerprint;
 use headway_model::safetensors_io::{from_safetensors_bytes, to_safetensors_bytes};
+use headway_model::weights::weight_files;
 use headway_model::{ModelConfig, SafetensorsWeights};
 use tch::{Device, Kind, Tensor};
 
@@ -26,6 +34,7 @@ use tch::{Device, Kind, Tensor};
 pub enum Format {
     Medusa,
     Eagle,
+    Eagle3,
 }
 
 #[derive(clap::Args)]
@@ -43,6 +52,20 @@ pub struct ExportArgs {
     /// embedded SmolLM2-135M-Instruct.
     #[arg(long, env = "HEADWAY_TARGET")]
     target: Option<PathBuf>,
+    /// The engine an EAGLE-1 export is for: its `architectures` entry is how each dispatches
+    /// (vLLM and the EAGLE repository read the target's name, SGLang `LlamaForCausalLMEagle`).
+    /// EAGLE-3 and Medusa files serve every engine.
+    #[arg(long, value_enum, default_value_t = Engine::Vllm)]
+    engine: Engine,
+}
+
+/// Serving engines whose EAGLE-1 config differs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum Engine {
+    /// vLLM (`speculative_config={"method": "eagle", ...}`) and the EAGLE repository.
+    Vllm,
+    /// SGLang (`--speculative-algorithm EAGLE`).
+    Sglang,
 }
 
 #[derive(clap::Args)]
@@ -133,6 +156,7 @@ pub fn run_export(args: ExportArgs) -> anyhow::Result<()> {
             HeadKind::Eagle {
                 layers,
                 embed_scale,
+                fc_bias,
                 ..
             },
             Format::Eagle,
@@ -143,28 +167,65 @@ pub fn run_export(args: ExportArgs) -> anyhow::Result<()> {
                     *tensor = fold_embed_scale(tensor, *embed_scale);
                 }
             }
-            let text = std::fs::read_to_string(target.join("config.json"))?;
-            let mut config: serde_json::Value = serde_json::from_str(&text)?;
+            refuse_biased_layers(&target)?;
+            let mut config = target_config_json(&target)?;
             config["num_hidden_layers"] = (*layers).into();
+            // The EAGLE repository reads it (a missing key means a bias); vLLM builds none.
+            config["bias"] = (*fc_bias).into();
+            if args.engine == Engine::Sglang {
+                config["architectures"] = serde_json::json!(["LlamaForCausalLMEagle"]);
+            }
             config["headway_target_fingerprint"] =
                 checkpoint.config.target.fingerprint.clone().into();
             if let Some(d2t) = &checkpoint.config.draft_vocab {
-                config["draft_vocab_size"] = d2t.len().into();
-                let offsets: Vec<i64> = d2t
-                    .iter()
-                    .enumerate()
-                    .map(|(i, &t)| i64::from(t) - i as i64)
-                    .collect();
-                let mut t2d = vec![false; checkpoint.config.target.vocab_size];
-                for &t in d2t {
-                    t2d[t as usize] = true;
-                }
-                tensors.push(("d2t".into(), Tensor::from_slice(&offsets)));
-                tensors.push(("t2d".into(), Tensor::from_slice(&t2d)));
+                // EAGLE-1 heads draft with the target's whole LM head in every loader.
+                eprintln!(
+                    "warning: {} drafts over {} of the target's {} tokens; EAGLE-1 loaders read no draft vocabulary, so the export drafts over all of them (the same head, without the smaller LM-head product)",
+                    checkpoint.dir.display(),
+                    d2t.len(),
+                    checkpoint.config.target.vocab_size
+                );
             }
-            tensors.sort_by(|a, b| a.0.cmp(&b.0));
-            let path = args.out.join("model.safetensors");
-            write(&path, &to_safetensors_bytes(&tensors, None, &path)?)?;
+            write_weights(&args.out, tensors)?;
+            config
+        }
+        (HeadKind::Eagle3 { taps }, Format::Eagle3) => {
+            let d2t = checkpoint
+                .config
+                .draft_vocab
+                .as_ref()
+                .context("an EAGLE-3 checkpoint without its draft vocabulary")?;
+            // vLLM's and SGLang's `fc` reads exactly three hidden-wide streams.
+            anyhow::ensure!(
+                taps.len() == 3,
+                "{} fuses {} target layers ({taps:?}); the EAGLE-3 layout (vLLM, SGLang, SpecForge) fuses exactly three",
+                checkpoint.dir.display(),
+                taps.len()
+            );
+            let mut config = target_config_json(&target)?;
+            let layers = config["num_hidden_layers"].as_u64().unwrap_or(0) as usize;
+            // The draft layer is a plain Llama layer whatever the target.
+            for key in ["attention_bias", "qk_norm", "sliding_window", "layer_types"] {
+                if let Some(map) = config.as_object_mut() {
+                    map.remove(key);
+                }
+            }
+            config["model_type"] = "llama".into();
+            config["architectures"] = serde_json::json!(["LlamaForCausalLMEagle3"]);
+            config["num_hidden_layers"] = 1.into();
+            config["draft_vocab_size"] = d2t.len().into();
+            config["tie_word_embeddings"] = false.into();
+            config["headway_target_fingerprint"] =
+                checkpoint.config.target.fingerprint.clone().into();
+            if *taps != Eagle3Config::default_taps(layers) {
+                let ids: Vec<i64> = taps.iter().map(|&t| t as i64 - 1).collect();
+                config["eagle_config"] = serde_json::json!({
+                    "eagle_aux_hidden_state_layer_ids": ids,
+                    "use_aux_hidden_state": true,
+                });
+            }
+            tensors.extend(vocab_tensors(d2t, checkpoint.config.target.vocab_size));
+            write_weights(&args.out, tensors)?;
             config
         }
         (kind, format) => anyhow::bail!(
@@ -184,6 +245,132 @@ pub fn run_export(args: ExportArgs) -> anyhow::Result<()> {
         args.out.display()
     );
     Ok(())
+}
+
+/// The target's `config.json` as JSON, with a `rope_scaling` that names its kind as both
+/// `rope_type` (transformers) and `type` (the EAGLE repository reads only this one).
+fn target_config_json(target: &Path) -> anyhow::Result<serde_json::Value> {
+    let path = target.join("config.json");
+    let text =
+        std::fs::read_to_string(&path).with_context(|| format!("reading {}", path.display()))?;
+    let mut config: serde_json::Value =
+        serde_json::from_str(&text).with_context(|| format!("{} is not JSON", path.display()))?;
+    if let Some(scaling) = config["rope_scaling"].as_object_mut() {
+        let kind = scaling
+            .get("rope_type")
+            .or_else(|| scaling.get("type"))
+            .cloned();
+        if let Some(kind) = kind {
+            scaling.insert("rope_type".into(), kind.clone());
+            scaling.insert("type".into(), kind);
+        }
+    }
+    Ok(config)
+}
+
+/// EAGLE-1 loaders build the head's layer as a plain Llama layer: a target whose layers carry
+/// q/k/v biases (Qwen2) or q/k norms (Qwen3) gets a head they would load wrongly.
+fn refuse_biased_layers(target: &Path) -> anyhow::Result<()> {
+    let config = ModelConfig::from_dir(target)?;
+    anyhow::ensure!(
+        !config.qkv_bias && !config.qk_norm,
+        "{} is a {:?} target: its EAGLE-1 head's layer has {}, which the EAGLE repository, vLLM and SGLang build as a plain Llama layer without; train an EAGLE-3 head (its layer is a plain Llama layer for any target) to export",
+        target.display(),
+        config.architecture,
+        if config.qkv_bias { "q/k/v biases" } else { "q/k norms" }
+    );
+    Ok(())
+}
+
+/// EAGLE-3's draft-vocabulary tensors for `d2t` (draft index → target id): `d2t` as offsets
+/// (`target = i + d2t[i]`, i64) and `t2d`, the mask of drafted target ids (bool `[vocab]`).
+fn vocab_tensors(d2t: &[u32], vocab: usize) -> [(String, Tensor); 2] {
+    let offsets: Vec<i64> = d2t
+        .iter()
+        .enumerate()
+        .map(|(i, &t)| i64::from(t) - i as i64)
+        .collect();
+    let mut t2d = vec![false; vocab];
+    for &t in d2t {
+        t2d[t as usize] = true;
+    }
+    [
+        ("d2t".into(), Tensor::from_slice(&offsets)),
+        ("t2d".into(), Tensor::from_slice(&t2d)),
+    ]
+}
+
+/// The draft vocabulary of exported `d2t` offsets (`target = i + d2t[i]`).
+fn draft_vocab_of(offsets: &Tensor) -> anyhow::Result<Vec<u32>> {
+    let offsets = Vec::<i64>::try_from(&offsets.to_kind(Kind::Int64))?;
+    Ok(offsets
+        .iter()
+        .enumerate()
+        .map(|(i, &o)| (i as i64 + o) as u32)
+        .collect())
+}
+
+/// `OUT/model.safetensors` of `tensors`, sorted by name.
+fn write_weights(out: &Path, mut tensors: Vec<(String, Tensor)>) -> anyhow::Result<()> {
+    tensors.sort_by(|a, b| a.0.cmp(&b.0));
+    let path = out.join("model.safetensors");
+    write(&path, &to_safetensors_bytes(&tensors, None, &path)?)
+}
+
+/// A head directory's tensors: `model.safetensors` (or the shards its index lists), or
+/// `pytorch_model.bin`, PyTorch's pickle, which the EAGLE repository's published heads ship.
+fn read_head_tensors(dir: &Path) -> anyhow::Result<BTreeMap<String, Tensor>> {
+    let pickle = dir.join("pytorch_model.bin");
+    let has_safetensors =
+        dir.join("model.safetensors").exists() || dir.join("model.safetensors.index.json").exists();
+    if !has_safetensors && pickle.exists() {
+        return read_pickle(&pickle);
+    }
+    let mut tensors = BTreeMap::new();
+    for file in weight_files(dir)? {
+        tensors.extend(read_tensors(&file)?);
+    }
+    Ok(tensors)
+}
+
+/// The tensors of a `torch.save`d state dict, as f32 or i64 tch tensors.
+fn read_pickle(path: &Path) -> anyhow::Result<BTreeMap<String, Tensor>> {
+    let stored = candle_core::pickle::read_all(path).with_context(|| {
+        format!(
+            "{}: not a PyTorch state dict candle can read",
+            path.display()
+        )
+    })?;
+    stored
+        .into_iter()
+        .map(|(name, tensor)| {
+            let shape: Vec<i64> = tensor.dims().iter().map(|&d| d as i64).collect();
+            let flat = tensor.flatten_all()?;
+            let tensor = match tensor.dtype() {
+                candle_core::DType::I64 => Tensor::from_slice(&flat.to_vec1::<i64>()?),
+                _ => Tensor::from_slice(&flat.to_dtype(candle_core::DType::F32)?.to_vec1::<f32>()?),
+            };
+            Ok((name, tensor.view(shape.as_slice())))
+        })
+        .collect::<anyhow::Result<_>>()
+}
+
+/// What marks a head directory as EAGLE-3 (its config's architecture, its `midlayer.*` names or
+/// its own LM head), if anything does.
+fn eagle3_sign(config: &serde_json::Value, weights: &BTreeMap<String, Tensor>) -> Option<String> {
+    let architectures = config["architectures"].as_array();
+    if let Some(name) = architectures
+        .into_iter()
+        .flatten()
+        .filter_map(|a| a.as_str())
+        .find(|a| a.contains("Eagle3"))
+    {
+        return Some(format!("architecture {name}"));
+    }
+    weights
+        .keys()
+        .find(|k| k.starts_with("midlayer.") || *k == "lm_head.weight")
+        .map(|k| format!("tensor {k}"))
 }
 
 fn read_tensors(path: &Path) -> anyhow::Result<BTreeMap<String, Tensor>> {
@@ -260,21 +447,21 @@ pub fn run_import(args: ImportArgs) -> anyhow::Result<()> {
             (HeadKind::Medusa(medusa), weights, None)
         }
         Format::Eagle => {
-            let mut weights = read_tensors(&args.from.join("model.safetensors"))?;
+            let mut weights = read_head_tensors(&args.from)?;
+            if let Some(sign) = eagle3_sign(&config, &weights) {
+                anyhow::bail!(
+                    "{} holds an EAGLE-3 head ({sign}); import it with --format eagle3",
+                    args.from.display()
+                );
+            }
+            // Published heads carry the target's embedding, which Headway takes from the target.
+            weights.remove("embed_tokens.weight");
             weights.remove("t2d");
-            let draft_vocab = match weights.remove("d2t") {
-                Some(offsets) => {
-                    let offsets = Vec::<i64>::try_from(&offsets.to_kind(Kind::Int64))?;
-                    Some(
-                        offsets
-                            .iter()
-                            .enumerate()
-                            .map(|(i, &o)| (i as i64 + o) as u32)
-                            .collect(),
-                    )
-                }
-                None => None,
-            };
+            let draft_vocab = weights
+                .remove("d2t")
+                .as_ref()
+                .map(draft_vocab_of)
+                .transpose()?;
             // The EAGLE repository's and vLLM's draft configs give the layer count here.
             let layers = field("num_hidden_layers")?;
             anyhow::ensure!(
@@ -282,19 +469,69 @@ pub fn run_import(args: ImportArgs) -> anyhow::Result<()> {
                 "{}: num_hidden_layers is 0; an EAGLE head has at least one layer",
                 config_path.display()
             );
+            // The EAGLE repository's loader gives `fc` a bias unless the config says `"bias":
+            // false`; files without the key but also without `fc.bias` come from elsewhere.
+            let fc_bias = config["bias"]
+                .as_bool()
+                .unwrap_or_else(|| weights.contains_key("fc.bias"));
             let head = HeadKind::Eagle {
                 layers,
                 taps: vec![],
                 embed_scale: 1.0,
+                fc_bias,
             };
             (head, weights, draft_vocab)
+        }
+        Format::Eagle3 => {
+            let stored = read_head_tensors(&args.from)?;
+            if eagle3_sign(&config, &stored).is_none() {
+                anyhow::bail!(
+                    "{} holds no EAGLE-3 head (no midlayer.*, lm_head.weight or LlamaForCausalLMEagle3 architecture; an EAGLE-1 head?); import it with --format eagle",
+                    args.from.display()
+                );
+            }
+            let mut weights: BTreeMap<String, Tensor> = stored
+                .into_iter()
+                .filter(|(name, _)| !name.starts_with("embed_tokens."))
+                .map(|(name, t)| match name.strip_prefix("layers.0.") {
+                    Some(rest) => (format!("midlayer.{rest}"), t),
+                    None => (name, t),
+                })
+                .collect();
+            weights.remove("t2d");
+            let offsets = weights.remove("d2t").with_context(|| {
+                format!(
+                    "{}: no d2t, which an EAGLE-3 head needs",
+                    args.from.display()
+                )
+            })?;
+            let ids = config["eagle_config"]["eagle_aux_hidden_state_layer_ids"].as_array();
+            let taps = match ids {
+                Some(ids) => ids
+                    .iter()
+                    .filter_map(|id| id.as_u64())
+                    .map(|id| id as usize + 1)
+                    .collect(),
+                None => Eagle3Config::default_taps(target_config.num_hidden_layers),
+            };
+            (
+                HeadKind::Eagle3 { taps },
+                weights,
+                Some(draft_vocab_of(&offsets)?),
+            )
         }
     };
     let expected = match &head {
         HeadKind::Medusa(medusa) => medusa.parameter_shapes(),
-        HeadKind::Eagle { layers, .. } => headway_heads::eagle::parameter_shapes(
-            &EagleConfig::for_target(&target_config, *layers),
+        HeadKind::Eagle {
+            layers, fc_bias, ..
+        } => headway_heads::eagle::parameter_shapes(
+            &EagleConfig::for_target(&target_config, *layers).with_fc_bias(*fc_bias),
         )?,
+        HeadKind::Eagle3 { taps } => {
+            let vocab = draft_vocab.as_ref().map_or(0, Vec::len);
+            Eagle3Config::for_target(&target_config, taps.clone(), vocab).parameter_shapes()?
+        }
     };
     check_tensors(&args.from, &weights, &expected)?;
     for tensor in weights.values_mut() {

@@ -67,6 +67,9 @@ enum Command {
     Medusa(heads_cmd::MedusaArgs),
     /// Train an EAGLE head (feature-level autoregression) on prepared features.
     Eagle(heads_cmd::EagleArgs),
+    /// Train an EAGLE-3 head (low, middle and high target layers fused; trained on tokens with
+    /// training-time test) on features prepared with those layers (`prepare --layers`).
+    Eagle3(heads_cmd::Eagle3Args),
     /// Evaluate a head checkpoint on the held-out split: per-head top-1/top-5 (Medusa), top-1
     /// and chain acceptance alpha1..alpha5 (EAGLE).
     Eval(heads_cmd::EvalArgs),
@@ -98,6 +101,7 @@ pub fn run(cli: Cli, hooks: &Hooks) -> anyhow::Result<()> {
         Command::Verify(args) => prepare::run_verify(args),
         Command::Medusa(args) => heads_cmd::run_medusa(args, hooks),
         Command::Eagle(args) => heads_cmd::run_eagle(args, hooks),
+        Command::Eagle3(args) => heads_cmd::run_eagle3(args, hooks),
         Command::Eval(args) => heads_cmd::run_eval(args),
         Command::Export(args) => interop::run_export(args),
         Command::Import(args) => interop::run_import(args),

@@ -4,7 +4,7 @@
 use std::collections::BTreeMap;
 
 use headway_heads::eagle::EagleModules;
-use headway_heads::{DraftVocab, EagleHead, MedusaHeads, Params};
+use headway_heads::{DraftVocab, Eagle3Head, EagleHead, FeatureModules, MedusaHeads, Params};
 use headway_model::mask::positions;
 use headway_model::CpuPolicy;
 use tch::{Kind, Reduction, Tensor};
@@ -362,6 +362,163 @@ impl Objective for EagleObjective {
     }
 }
 
+/// EAGLE-3's training (the references': SpecForge's `eagle3`, the EAGLE repository's
+/// `traineagle3`): `rounds` rounds of training-time test ([`Eagle3Modules::unroll`]), each scored
+/// on tokens against the target's distribution over the draft vocabulary, round `k` weighted
+/// `decay^k`. A position counts where it is an assistant token and the target's greedy token
+/// there is in the draft vocabulary; `acc_k` is the share of the assistant positions of round
+/// `k` where the head's top token is the target's greedy one (out-of-vocabulary ones count as
+/// misses), the acceptance of draft depth `k + 1` along the target's own text.
+pub struct Eagle3Objective {
+    pub head: Eagle3Head,
+    /// Rounds of training-time test (the references: 7).
+    pub rounds: usize,
+    /// Loss weight of round k: `decay^k` (the references: 0.8).
+    pub decay: f64,
+    /// The target's whole LM head `[vocab, hidden]`: its greedy token says which positions count.
+    target_lm_head: Tensor,
+    /// Its draft-vocabulary rows: the teacher distribution.
+    draft_rows: Tensor,
+    /// Target id → whether it is in the draft vocabulary, `[vocab]` bool.
+    in_draft: Tensor,
+    /// Target id → draft index (−1 outside), `[vocab]` i64.
+    to_draft: Tensor,
+    cpu: CpuPolicy,
+    teacher_scratch: Scratch,
+    greedy_scratch: Scratch,
+    logits_scratch: Scratch,
+}
+
+/// Rows of the target's greedy projection taken at once (its `[rows, vocab]` logits live in a
+/// scratch buffer: 256 × 49k floats is 50 MB).
+const GREEDY_ROWS: i64 = 256;
+
+impl Eagle3Objective {
+    /// `draft` is the head's vocabulary and `target_lm_head` the target's whole LM head.
+    pub fn new(
+        head: Eagle3Head,
+        draft: &DraftVocab,
+        target_lm_head: &Tensor,
+        rounds: usize,
+        decay: f64,
+        cpu: CpuPolicy,
+    ) -> Self {
+        let target_lm_head = target_lm_head.detach().to_kind(Kind::Float);
+        let vocab = target_lm_head.size()[0] as usize;
+        let to_draft = draft.to_draft(
+            &Tensor::arange(vocab as i64, (Kind::Int64, head.device())),
+            vocab,
+        );
+        Self {
+            draft_rows: DraftVocab::lm_head_rows(Some(draft), &target_lm_head),
+            in_draft: to_draft.ge(0),
+            to_draft,
+            target_lm_head,
+            head,
+            rounds: rounds.max(1),
+            decay,
+            cpu,
+            teacher_scratch: Scratch::default(),
+            greedy_scratch: Scratch::default(),
+            logits_scratch: Scratch::default(),
+        }
+    }
+
+    /// The target's greedy token at each of `hidden`'s rows `[n, hidden]`.
+    fn greedy(&mut self, hidden: &Tensor) -> Tensor {
+        let chunks: Vec<Tensor> = hidden
+            .split(GREEDY_ROWS, 0)
+            .iter()
+            .map(|rows| projected_argmax(rows, &self.target_lm_head, &mut self.greedy_scratch))
+            .collect();
+        Tensor::cat(&chunks, 0)
+    }
+}
+
+impl Objective for Eagle3Objective {
+    fn params(&self) -> &Params {
+        &self.head.params
+    }
+
+    fn params_mut(&mut self) -> &mut Params {
+        &mut self.head.params
+    }
+
+    fn taps(&self) -> &[usize] {
+        &self.head.config.taps
+    }
+
+    fn run(&mut self, batch: &Batch, backward_scale: Option<f64>) -> anyhow::Result<Metrics> {
+        let mut metrics = Metrics::default();
+        let (b, t) = (batch.ids.size()[0], batch.ids.size()[1]);
+        let n = t - 1;
+        if n < 1 {
+            return Ok(metrics);
+        }
+        let device = batch.ids.device();
+        let hidden_size = batch.hidden.size()[2];
+        let flat_hidden = batch.hidden.view([b * t, hidden_size]);
+        let greedy = self.greedy(&flat_hidden);
+        let teacher = projected_softmax(&flat_hidden, &self.draft_rows, &mut self.teacher_scratch);
+        let counted = batch
+            .loss_mask
+            .logical_and(&self.in_draft.index_select(0, &greedy).view([b, t]));
+        let modules = self.head.modules(self.cpu.clone())?;
+        let taps: Vec<Tensor> = batch.taps.iter().map(|tap| tap.narrow(1, 0, n)).collect();
+        let features = modules.fuse(&batch.hidden.narrow(1, 0, n), &taps)?;
+        let rounds = self.rounds.min(n as usize) as i64;
+        // Round k's next tokens, ids[i + 1 + k], and whether its teacher position i + 1 + k is
+        // one that counts (padding past the end).
+        let shifted =
+            |x: &Tensor, k: i64, fill: Tensor| Tensor::cat(&[x.narrow(1, 1 + k, n - k), fill], 1);
+        let ids: Vec<Tensor> = (0..rounds)
+            .map(|k| shifted(&batch.ids, k, batch.ids.zeros_like().narrow(1, 0, k)))
+            .collect();
+        let positions = Tensor::arange(n, (Kind::Int64, device)).expand([b, n], true);
+        let outputs = modules.unroll(&features, &ids, &positions);
+        let rows = (Tensor::arange(b, (Kind::Int64, device)) * t).unsqueeze(1)
+            + Tensor::arange(n, (Kind::Int64, device)).unsqueeze(0);
+        let mut total = Tensor::zeros([], (Kind::Float, device));
+        for (k, output) in (0..rounds).zip(&outputs) {
+            let none = batch.loss_mask.zeros_like().narrow(1, 0, k);
+            let valid = shifted(&counted, k, none.shallow_clone());
+            let assistant = shifted(&batch.loss_mask, k, none);
+            let count = valid.sum(Kind::Int64).int64_value(&[]);
+            let positions_k = assistant.sum(Kind::Int64).int64_value(&[]) as f64;
+            if count == 0 {
+                metrics.add(&format!("acc_{k}"), 0.0, positions_k);
+                continue;
+            }
+            let picked = output.masked_select(&valid.unsqueeze(-1)).view([count, -1]);
+            let teacher_rows = (&rows + (1 + k)).masked_select(&valid);
+            let target_p = teacher.index_select(0, &teacher_rows);
+            let reference = self
+                .to_draft
+                .index_select(0, &greedy.index_select(0, &teacher_rows));
+            let scored = projected_cross_entropy(
+                &modules.normed(&picked),
+                modules.lm_head_weight(),
+                VocabTarget::Distribution(&target_p),
+                &reference,
+                backward_scale.is_some(),
+                &mut self.logits_scratch,
+            );
+            let value = scored.loss.double_value(&[]);
+            metrics.add(&format!("acc_{k}"), scored.top1, positions_k);
+            metrics.add(&format!("loss_{k}"), value * count as f64, count as f64);
+            total += scored.loss * self.decay.powi(k as i32);
+        }
+        // A batch without one counted position (no assistant token in the draft vocabulary)
+        // has no loss to learn from.
+        if let (Some(scale), true) = (backward_scale, total.requires_grad()) {
+            (&total * scale).backward();
+        }
+        let tokens = batch.tokens as f64;
+        metrics.add("loss", total.double_value(&[]) * tokens, tokens);
+        Ok(metrics)
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -390,6 +547,73 @@ mod tests {
             hidden,
             taps: vec![],
             tokens: 18,
+        }
+    }
+
+    /// An EAGLE-3 objective over the tiny target drafting over its 40 lowest ids with `rounds`
+    /// rounds of training-time test, its teacher the target LM head `lm_head`.
+    fn eagle3_objective(lm_head: &Tensor, rounds: usize) -> Eagle3Objective {
+        let head = headway_heads::testing::tiny_eagle3_head(5, vec![1, 1, 1], 40);
+        let vocab = tiny_config().vocab_size;
+        let counts: Vec<u64> = (0..vocab).map(|id| (vocab - id) as u64).collect();
+        let draft = DraftVocab::from_counts(&counts, 40).unwrap();
+        let cpu = headway_model::CpuThreads::new(2).batch();
+        Eagle3Objective::new(head, &draft, lm_head, rounds, 0.8, cpu)
+    }
+
+    fn tapped_batch() -> Batch {
+        let mut batch = batch();
+        batch.taps = (0..3).map(|_| batch.hidden.randn_like()).collect();
+        batch
+    }
+
+    #[test]
+    fn eagle3_scores_each_round_over_all_assistant_tokens_and_trains_every_parameter() {
+        let c = tiny_config();
+        let lm_head = Tensor::randn(
+            [c.vocab_size as i64, c.hidden_size as i64],
+            (Kind::Float, Device::Cpu),
+        );
+        // Most greedy tokens in the draft vocabulary, so every round has some to learn from.
+        let _ = lm_head.narrow(0, 0, 40).g_mul_scalar_(4.0);
+        let mut objective = eagle3_objective(&lm_head, 3);
+        let batch = tapped_batch();
+        let trained = objective.run(&batch, Some(1.0)).unwrap();
+        for k in 0..3 {
+            let acc = trained.mean(&format!("acc_{k}")).unwrap();
+            assert!((0.0..=1.0).contains(&acc), "acc_{k} {acc}");
+        }
+        assert!(trained.mean("acc_3").is_none());
+        for (name, p) in objective.head.params.iter() {
+            let grad = p.grad();
+            assert!(grad.defined(), "{name} has no gradient");
+            let size = grad.abs().sum(Kind::Float).double_value(&[]);
+            assert!(size > 0.0, "{name}: zero gradient");
+        }
+        let evaluated = objective.run(&batch, None).unwrap();
+        assert_eq!(evaluated.mean("acc_0"), trained.mean("acc_0"));
+    }
+
+    /// Where the target's greedy token lies outside the draft vocabulary the head cannot be
+    /// right: such positions count as misses and teach nothing; a batch of only such positions
+    /// gives accuracy 0 and no gradient (and no error).
+    #[test]
+    fn eagle3_counts_tokens_outside_the_draft_vocabulary_as_misses() {
+        let c = tiny_config();
+        let last = c.vocab_size as i64 - 1;
+        let lm_head = Tensor::zeros(
+            [c.vocab_size as i64, c.hidden_size as i64],
+            (Kind::Float, Device::Cpu),
+        );
+        let _ = lm_head.get(last).fill_(1.0);
+        let mut objective = eagle3_objective(&lm_head, 2);
+        let mut batch = tapped_batch();
+        batch.hidden = batch.hidden.abs() + 0.1;
+        let metrics = objective.run(&batch, Some(1.0)).unwrap();
+        assert_eq!(metrics.mean("acc_0"), Some(0.0));
+        assert_eq!(metrics.mean("acc_1"), Some(0.0));
+        for (name, p) in objective.head.params.iter() {
+            assert!(!p.grad().defined(), "{name} got a gradient");
         }
     }
 

@@ -305,7 +305,12 @@ pub fn summary_line(metrics: &Metrics) -> String {
     metrics
         .means()
         .iter()
-        .filter(|(k, _)| k.as_str() == "loss" || k.ends_with("top1") || k.starts_with("alpha"))
+        .filter(|(k, _)| {
+            k.as_str() == "loss"
+                || k.ends_with("top1")
+                || k.starts_with("alpha")
+                || k.starts_with("acc_")
+        })
         .map(|(k, v)| format!("{k} {v:.3}"))
         .collect::<Vec<_>>()
         .join(" ")

@@ -19,7 +19,7 @@
 
 use std::time::Instant;
 
-use headway_heads::{EagleHead, MedusaHeads};
+use headway_heads::{FeatureHead, MedusaHeads};
 use headway_model::{ForwardInput, KvCache, Target, TreeInput};
 
 use crate::drafters::{
@@ -319,11 +319,11 @@ fn finish<T>(mut options: Vec<(Prediction, T)>, latency: &LatencyProfile) -> (T,
     (best, tuning)
 }
 
-/// Tunes EAGLE's tree shape (depth ≤ `max.depth`, top-k ≤ `max.top_k`, tree tokens ≤
+/// Tunes an EAGLE (EAGLE-1 or EAGLE-3) head's tree shape (depth ≤ `max.depth`, top-k ≤ `max.top_k`, tree tokens ≤
 /// `max.tree_tokens`) on this device, alone or beside `lookup` (`--with-lookup`).
 pub fn tune_eagle(
     target: &Target,
-    head: &EagleHead,
+    head: &dyn FeatureHead,
     d2t: Option<&[u32]>,
     max: EagleTreeShape,
     lookup: Option<&LookupDrafter>,

@@ -3,7 +3,7 @@
 //! there, so that no combination that cannot run reaches the engine and building a drafter
 //! cannot fail on a missing piece.
 
-use headway_heads::{EagleHead, MedusaHeads};
+use headway_heads::{Eagle3Head, EagleHead, MedusaHeads};
 use headway_model::Target;
 
 use crate::drafters::{
@@ -24,6 +24,13 @@ pub enum ModelDraft {
         d2t: Option<Vec<u32>>,
         shape: EagleTreeShape,
     },
+    /// A frozen EAGLE-3 head drafting EAGLE-2 dynamic trees of `shape` over its draft
+    /// vocabulary, whose target ids are `d2t`.
+    Eagle3 {
+        head: Eagle3Head,
+        d2t: Vec<u32>,
+        shape: EagleTreeShape,
+    },
     /// Frozen Medusa heads drafting the static tree `choices`.
     Medusa {
         heads: MedusaHeads,
@@ -37,6 +44,7 @@ impl ModelDraft {
         match self {
             Self::DraftModel { .. } => "draft",
             Self::Eagle { .. } => "eagle",
+            Self::Eagle3 { .. } => "eagle3",
             Self::Medusa { .. } => "medusa",
         }
     }
@@ -117,6 +125,9 @@ fn model_drafter<'a>(
             capacity,
             cpu,
         )?),
+        ModelDraft::Eagle3 { head, d2t, shape } => {
+            Box::new(EagleDrafter::new(head, Some(d2t), *shape, capacity, cpu)?)
+        }
         ModelDraft::Medusa {
             heads,
             d2t,

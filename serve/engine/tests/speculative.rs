@@ -10,7 +10,9 @@ use headway_engine::drafters::{
 };
 use headway_engine::engine::{generate_greedy, generate_speculative, Session};
 use headway_engine::tree::{DraftTree, Proposal, TreeChoices};
-use headway_heads::{DraftVocab, EagleConfig, EagleHead, MedusaConfig, MedusaHeads};
+use headway_heads::{
+    DraftVocab, Eagle3Config, Eagle3Head, EagleConfig, EagleHead, MedusaConfig, MedusaHeads,
+};
 use headway_model::mask::positions;
 use headway_model::testing::{fixture_path, real_target, write_tiny_model, TINY_VOCAB};
 use headway_model::{
@@ -125,6 +127,21 @@ fn random_eagle(target: &Target, taps: Vec<usize>) -> (EagleHead, Vec<u32>) {
     (head, d2t)
 }
 
+/// A fresh EAGLE-3 head with random weights fusing taps 0 and 1, drafting over the same reversed
+/// 200-token vocabulary.
+fn random_eagle3(target: &Target) -> (Eagle3Head, Vec<u32>) {
+    tch::manual_seed(8);
+    let d2t: Vec<u32> = (0..200).rev().collect();
+    let config = Eagle3Config::for_target(target.model.config(), vec![0, 1], d2t.len());
+    let rows = Tensor::randn(
+        [d2t.len() as i64, target.model.config().hidden_size as i64],
+        (Kind::Float, Device::Cpu),
+    );
+    let mut head = Eagle3Head::new(config, target.model.model.embed_tokens(), &rows).unwrap();
+    head.params.freeze();
+    (head, d2t)
+}
+
 /// Fresh Medusa heads (each the identity, so head k guesses the target's next token).
 fn identity_medusa(target: &Target) -> MedusaHeads {
     let config = MedusaConfig {
@@ -166,6 +183,7 @@ fn greedy_speculative_output_equals_plain_greedy_for_every_drafter() {
     let (_draft_dir, other) = tiny_target(12);
     let (eagle, d2t) = random_eagle(&target, vec![]);
     let (tapped_eagle, _) = random_eagle(&target, vec![1]);
+    let (eagle3, d2t3) = random_eagle3(&target);
     let medusa = identity_medusa(&target);
     let new_tokens = 40;
     let capacity = 24 + new_tokens + 1;
@@ -205,6 +223,12 @@ fn greedy_speculative_output_equals_plain_greedy_for_every_drafter() {
                 Box::new(
                     EagleDrafter::new(&tapped_eagle, Some(&d2t), shape, capacity, decode())
                         .unwrap(),
+                ),
+            ),
+            (
+                "eagle3",
+                Box::new(
+                    EagleDrafter::new(&eagle3, Some(&d2t3), shape, capacity, decode()).unwrap(),
                 ),
             ),
             (
@@ -458,8 +482,8 @@ fn speculative_sampling_with_min_p_keeps_the_target_distribution() {
 }
 
 /// Plain sampling and speculative sampling under `params` with a sampled draft model, a
-/// deterministic argmax chain and a sampled draft with prompt lookup grafted on give the same
-/// distribution of the first tokens; `lossy`, given, must not.
+/// deterministic argmax chain, a sampled draft with prompt lookup grafted on and an EAGLE-3
+/// head's tree give the same distribution of the first tokens; `lossy`, given, must not.
 fn lossless_under(params: SamplingParams, lossy: Option<Acceptance>) {
     let (_dir, target) = tiny_target(31);
     let (_draft_dir, other) = tiny_target(32);
@@ -500,6 +524,15 @@ fn lossless_under(params: SamplingParams, lossy: Option<Acceptance>) {
         Box::new(DraftModelDrafter::new(&other, &target, 3, capacity).unwrap()),
         LookupDrafter::default(),
     );
+    // An EAGLE-3 head's top-k tree: deterministic siblings at every depth.
+    let (eagle3, d2t3) = random_eagle3(&target);
+    let shape = EagleTreeShape {
+        depth: 3,
+        top_k: 3,
+        tree_tokens: 8,
+    };
+    let mut eagle3_tree =
+        EagleDrafter::new(&eagle3, Some(&d2t3), shape, capacity, decode()).unwrap();
     for (name, drafter) in [
         (
             "sampled draft model",
@@ -507,6 +540,7 @@ fn lossless_under(params: SamplingParams, lossy: Option<Acceptance>) {
         ),
         ("deterministic argmax chain", &mut argmax_chain),
         ("sampled draft model + lookup", &mut sampled_with_lookup),
+        ("EAGLE-3 tree", &mut eagle3_tree),
     ] {
         let counts = run(drafter, Acceptance::Lossless, 2);
         let (stat, critical) = homogeneity(&plain, &counts);
@@ -545,6 +579,15 @@ fn greedy_speculative_output_equals_plain_greedy_on_smollm2() {
     )
     .unwrap();
     eagle.params.freeze();
+    let config = target.model.config();
+    let taps = Eagle3Config::default_taps(config.num_hidden_layers);
+    let mut eagle3 = Eagle3Head::new(
+        Eagle3Config::for_target(config, taps, config.vocab_size),
+        target.model.model.embed_tokens(),
+        target.model.lm_head.weight(),
+    )
+    .unwrap();
+    eagle3.params.freeze();
     let medusa = identity_medusa(&target);
     let new_tokens = 48;
     assert!(fixture.cases.len() >= 3);
@@ -574,6 +617,12 @@ fn greedy_speculative_output_equals_plain_greedy_on_smollm2() {
                     ),
                     LookupDrafter::default(),
                 )),
+            ),
+            (
+                "eagle3",
+                Box::new(
+                    EagleDrafter::new(&eagle3, None, shape, capacity, target.cpu.decode()).unwrap(),
+                ),
             ),
             (
                 "medusa",

@@ -1,4 +1,4 @@
-//! The EAGLE head with EAGLE-2 dynamic trees.
+//! EAGLE-1 and EAGLE-3 heads with EAGLE-2 dynamic trees.
 //!
 //! The head runs one step behind the target: at position `i` it reads the target's feature `f_i`
 //! and the token `t_{i+1}`, and predicts `f̂_{i+1}`, whose logits guess `t_{i+2}`. Its own KV cache
@@ -8,8 +8,7 @@
 //! it; the `tree_tokens` most confident nodes of everything expanded form the tree. Tree nodes
 //! enter the head's cache only while drafting and are dropped (O(1) truncation) afterwards.
 
-use headway_heads::eagle::EagleModules;
-use headway_heads::EagleHead;
+use headway_heads::{FeatureHead, FeatureModules};
 use headway_model::mask::positions;
 use headway_model::{CpuPolicy, KvCache, Sampler, TreeInput};
 use tch::{Kind, Tensor};
@@ -68,7 +67,7 @@ pub struct DraftRecord {
 }
 
 pub struct EagleDrafter<'h> {
-    modules: EagleModules<'h>,
+    modules: Box<dyn FeatureModules + 'h>,
     /// The target taps the head fuses into its input.
     taps: Vec<usize>,
     d2t: Option<&'h [u32]>,
@@ -86,7 +85,7 @@ impl<'h> EagleDrafter<'h> {
     /// `head` must be frozen; `d2t` maps its draft vocabulary to target ids; `capacity` is the
     /// longest context it will see; it runs under `cpu` (the target's decoding policy).
     pub fn new(
-        head: &'h EagleHead,
+        head: &'h dyn FeatureHead,
         d2t: Option<&'h [u32]>,
         shape: EagleTreeShape,
         capacity: usize,
@@ -100,7 +99,7 @@ impl<'h> EagleDrafter<'h> {
         }
         Ok(Self {
             modules: head.modules(cpu)?,
-            taps: head.config.taps.clone(),
+            taps: head.taps().to_vec(),
             d2t,
             cache: head.new_cache(1, capacity + shape.depth * shape.top_k)?,
             committed: 0,
@@ -343,6 +342,7 @@ pub fn best_subtree(candidates: &[Candidate], size: usize) -> DraftTree {
 #[cfg(test)]
 pub(crate) mod tests {
     use super::*;
+    use headway_heads::EagleHead;
     use headway_model::testing::tiny_config;
     use tch::Device;
 
@@ -371,14 +371,17 @@ pub(crate) mod tests {
             }
             let tapped = tapped_frozen_head(5, 1, vec![1, 0]);
             tree_drafting_follows_the_heads_chain(&tapped, skip_first);
+            let mut eagle3 = headway_heads::testing::tiny_eagle3_head(5, vec![0, 1], 64);
+            eagle3.params.freeze();
+            tree_drafting_follows_the_heads_chain(&eagle3, skip_first);
         }
     }
 
     /// With `skip_first`, the first step is skipped and the second catches up on both steps'
     /// rows at once.
-    fn tree_drafting_follows_the_heads_chain(head: &EagleHead, skip_first: bool) {
+    fn tree_drafting_follows_the_heads_chain(head: &dyn FeatureHead, skip_first: bool) {
         let _no_grad = tch::no_grad_guard();
-        let h = head.config.layer.hidden_size as i64;
+        let h = tiny_config().hidden_size as i64;
         let shape = EagleTreeShape {
             depth: 4,
             top_k: 1,
@@ -390,8 +393,7 @@ pub(crate) mod tests {
         let context: Vec<u32> = vec![3, 17, 40, 2, 99, 5];
         let hidden = Tensor::randn([10, h], (Kind::Float, Device::Cpu));
         let taps: Vec<Tensor> = head
-            .config
-            .taps
+            .taps()
             .iter()
             .map(|_| Tensor::randn([10, h], (Kind::Float, Device::Cpu)))
             .collect();
