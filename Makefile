@@ -23,12 +23,12 @@ export HEADWAY_HOME
 export CARGO_TARGET_DIR ?= $(HEADWAY_HOME)/target
 BIN := $(CARGO_TARGET_DIR)/release
 
-.PHONY: demo test build venv model data openai-client ref-env fixtures bench bench-spec bench-prepare bench-train clean-cache
+.PHONY: demo test build venv model data openai-client ref-env interop-env fixtures bench bench-spec bench-prepare bench-train clean-cache
 
 demo: model data build
 	BIN=$(BIN) QUESTIONS=$(QUESTIONS) scripts/demo.sh
 
-test: model openai-client
+test: model openai-client interop-env
 	cargo fmt --all -- --check
 	cargo clippy --release --workspace --all-targets -- -D warnings
 	# The end-to-end tests run the binaries; cargo test builds only those of packages with
@@ -67,11 +67,23 @@ $(VENV)/.openai: | venv
 	$(PYTHON) -m pip install --quiet "openai>=1.40,<3"
 	touch $@
 
-# Only for the reference scripts (fixtures, transformers baselines); the Rust build never needs it.
-# transformers loads a GGUF only with accelerate installed ("accelerate is required when loading a
-# GGUF file"), and installs without it.
-ref-env: venv
+# Only for the reference scripts (fixtures, transformers baselines, interop); the Rust build never
+# needs it. transformers loads a GGUF only with accelerate installed ("accelerate is required when
+# loading a GGUF file"), and installs without it.
+ref-env: $(VENV)/.ref-env
+$(VENV)/.ref-env: | venv
 	$(PYTHON) -m pip install --quiet transformers==5.* gguf numpy accelerate
+	touch $@
+
+# The reference implementations the interop tests load Headway's heads with (tests/tests/interop.rs):
+# their own packages only (--no-deps; their pins pull in SGLang, CUDA kernels, wandb), imported
+# with the venv's torch and transformers through PYTHONPATH.
+INTEROP := $(HEADWAY_HOME)/interop
+INTEROP_PACKAGES := specforge==0.2.0 eagle-llm==1.2.1 medusa-llm==0.1
+interop-env: $(INTEROP)/.installed
+$(INTEROP)/.installed: | ref-env
+	$(PYTHON) -m pip install --quiet --no-deps --upgrade --target $(INTEROP) $(INTEROP_PACKAGES)
+	touch $@
 
 fixtures: ref-env
 	$(PYTHON) scripts/make_fixtures.py --questions $(QUESTIONS)

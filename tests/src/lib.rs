@@ -1,10 +1,11 @@
 //! End-to-end tests of the Headway binaries (in `tests/`): they run `headway-train` and
 //! `headway-serve` as a user would, on tiny random models and on the real SmolLM2.
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 
 use clap::Parser;
+use headway_model::testing::write_tiny_model;
 use headway_train::{Cli, Hooks};
 
 /// Path of a workspace binary in the directory above this test executable's `deps/`: `make test`
@@ -107,4 +108,74 @@ pub fn run_aborting_child() {
     };
     let cli = Cli::parse_from(std::iter::once("headway-train".to_string()).chain(args));
     headway_train::run(cli, &hooks).expect("the child's command");
+}
+
+/// A tiny target and features of 40 short chats (a quarter held out).
+pub fn features(root: &Path) {
+    write_tiny_model(&root.join("target"), 5).unwrap();
+    let lines: Vec<String> = (0..40)
+        .map(|i| {
+            serde_json::json!({"id": i, "messages": [
+                {"role": "user", "content": format!("Count to {}.", i % 7 + 2)},
+                {"role": "assistant", "content": (1..=(i % 7 + 2)).map(|n| n.to_string()).collect::<Vec<_>>().join(", ")},
+            ]})
+            .to_string()
+        })
+        .collect();
+    std::fs::write(root.join("chats.jsonl"), lines.join("\n")).unwrap();
+    let target = root.join("target");
+    let out = headway_train(&[
+        "prepare",
+        "--data",
+        root.join("chats.jsonl").to_str().unwrap(),
+        "--target",
+        target.to_str().unwrap(),
+        "--out",
+        root.join("features").to_str().unwrap(),
+        "--dtype",
+        "f32",
+        "--held-out",
+        "0.25",
+        "--layers",
+        "1",
+    ]);
+    assert!(out.status.success(), "{}", stderr(&out));
+}
+
+/// `headway-train HEAD` on the features [`features`] wrote under `root`, 6 steps of 128-token
+/// batches (checkpoints at steps 3 and 6), with `extra` options.
+pub fn train_args<'a>(
+    head: &'a str,
+    root: &'a Path,
+    out: &'a str,
+    extra: &[&'a str],
+) -> Vec<String> {
+    let mut args: Vec<String> = [
+        head,
+        "--features",
+        root.join("features").to_str().unwrap(),
+        "--target",
+        root.join("target").to_str().unwrap(),
+        "--out",
+        out,
+        "--steps",
+        "6",
+        "--save-every",
+        "3",
+        "--batch-tokens",
+        "128",
+        "--warmup",
+        "2",
+        "--lr",
+        "1e-3",
+    ]
+    .iter()
+    .map(|s| s.to_string())
+    .collect();
+    args.extend(extra.iter().map(|s| s.to_string()));
+    args
+}
+
+pub fn as_strs(args: &[String]) -> Vec<&str> {
+    args.iter().map(String::as_str).collect()
 }

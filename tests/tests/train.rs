@@ -5,7 +5,10 @@ use std::path::Path;
 use std::process::Output;
 
 use headway_model::testing::write_tiny_model;
-use headway_tests::{headway_train_killed, run, run_aborting_child, stderr, stdout, AbortAfter};
+use headway_tests::{
+    as_strs, features, headway_train_killed, run, run_aborting_child, stderr, stdout, train_args,
+    AbortAfter,
+};
 
 /// `headway-train args`; with `abort_after_step`, killed after that step's checkpoint.
 fn headway_train(args: &[&str], abort_after_step: Option<u64>) -> Output {
@@ -22,68 +25,6 @@ fn killed_training_child() {
     run_aborting_child();
 }
 
-/// A tiny target and features of 40 short chats (a quarter held out).
-fn features(root: &Path) {
-    write_tiny_model(&root.join("target"), 5).unwrap();
-    let lines: Vec<String> = (0..40)
-        .map(|i| {
-            serde_json::json!({"id": i, "messages": [
-                {"role": "user", "content": format!("Count to {}.", i % 7 + 2)},
-                {"role": "assistant", "content": (1..=(i % 7 + 2)).map(|n| n.to_string()).collect::<Vec<_>>().join(", ")},
-            ]})
-            .to_string()
-        })
-        .collect();
-    std::fs::write(root.join("chats.jsonl"), lines.join("\n")).unwrap();
-    let target = root.join("target");
-    let out = headway_train(
-        &[
-            "prepare",
-            "--data",
-            root.join("chats.jsonl").to_str().unwrap(),
-            "--target",
-            target.to_str().unwrap(),
-            "--out",
-            root.join("features").to_str().unwrap(),
-            "--dtype",
-            "f32",
-            "--held-out",
-            "0.25",
-            "--layers",
-            "1",
-        ],
-        None,
-    );
-    assert!(out.status.success(), "{}", stderr(&out));
-}
-
-fn train_args<'a>(head: &'a str, root: &'a Path, out: &'a str, extra: &[&'a str]) -> Vec<String> {
-    let mut args: Vec<String> = [
-        head,
-        "--features",
-        root.join("features").to_str().unwrap(),
-        "--target",
-        root.join("target").to_str().unwrap(),
-        "--out",
-        out,
-        "--steps",
-        "6",
-        "--save-every",
-        "3",
-        "--batch-tokens",
-        "128",
-        "--warmup",
-        "2",
-        "--lr",
-        "1e-3",
-    ]
-    .iter()
-    .map(|s| s.to_string())
-    .collect();
-    args.extend(extra.iter().map(|s| s.to_string()));
-    args
-}
-
 /// `headway-train eval` of the checkpoint in `heads` on the features under `root`.
 fn eval_heads(heads: &Path, root: &Path) -> Output {
     run(
@@ -98,10 +39,6 @@ fn eval_heads(heads: &Path, root: &Path) -> Output {
             root.join("target").to_str().unwrap(),
         ],
     )
-}
-
-fn as_strs(args: &[String]) -> Vec<&str> {
-    args.iter().map(String::as_str).collect()
 }
 
 #[test]
