@@ -77,12 +77,16 @@ $(VENV)/.ref-env: | venv
 
 # The reference implementations the interop tests load Headway's heads with (tests/tests/interop.rs):
 # their own packages only (--no-deps; their pins pull in SGLang, CUDA kernels, wandb), imported
-# with the venv's torch and transformers through PYTHONPATH.
+# with the venv's torch and transformers through PYTHONPATH. The EAGLE and Medusa repositories'
+# model code predates transformers 5 (it reads `rope_scaling["type"]`, which transformers 5 turns
+# into `rope_parameters`), so they run with the transformers 4 kept in INTEROP/hf4.
 INTEROP := $(HEADWAY_HOME)/interop
 INTEROP_PACKAGES := specforge==0.2.0 eagle-llm==1.2.1 medusa-llm==0.1
+INTEROP_HF4 := transformers==4.46.3 huggingface-hub==0.26.5 tokenizers==0.20.3
 interop-env: $(INTEROP)/.installed
 $(INTEROP)/.installed: | ref-env
 	$(PYTHON) -m pip install --quiet --no-deps --upgrade --target $(INTEROP) $(INTEROP_PACKAGES)
+	$(PYTHON) -m pip install --quiet --no-deps --upgrade --target $(INTEROP)/hf4 $(INTEROP_HF4)
 	touch $@
 
 fixtures: ref-env

@@ -1,14 +1,14 @@
 //! Heads in the layouts other tools load, proven with those tools' own code (installed from PyPI
 //! by `make interop-env` under `$HEADWAY_HOME/interop`, run with the Headway venv's python that
-//! `make test` puts on PATH): SpecForge's EAGLE-3 draft model loads Headway's export and computes
-//! Headway's draft logits, and a head SpecForge initialised and trained imports into Headway with
-//! SpecForge's logits.
+//! `make test` puts on PATH): SpecForge's EAGLE-3 draft model and the EAGLE repository's EAGLE-1
+//! model load Headway's exports and compute what Headway computes, and heads they initialised and
+//! trained import into Headway with the same predictions.
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
 use headway_checkpoints::{load_head, DraftHead};
-use headway_heads::{Eagle3Head, FeatureModules};
+use headway_heads::{Eagle3Head, FeatureHead, FeatureModules};
 use headway_model::safetensors_io::from_safetensors_bytes;
 use headway_model::target::headway_home;
 use headway_model::testing::write_safetensors;
@@ -21,23 +21,39 @@ const TOLERANCE: f64 = 1e-4;
 const ROUNDS: usize = 3;
 const LENGTH: i64 = 9;
 
+/// Which transformers a reference runs with.
+#[derive(Clone, Copy)]
+enum Transformers {
+    /// The venv's (5): SpecForge.
+    Current,
+    /// 4, kept beside the packages: the EAGLE and Medusa repositories' 2023 model code.
+    Four,
+}
+
 /// Runs a script of `scripts/interop/` with the reference packages importable; panics with the
 /// command that installs them when they are missing, since a skipped interop check proves
 /// nothing.
-fn reference_script(script: &str, args: &[&str]) -> String {
+fn reference_script(script: &str, transformers: Transformers, args: &[&str]) -> String {
     let packages = headway_home().join("interop");
+    let hf4 = packages.join("hf4");
     assert!(
-        packages.join("specforge").is_dir(),
+        ["specforge", "eagle", "hf4/transformers"]
+            .iter()
+            .all(|p| packages.join(p).is_dir()),
         "{} lacks the reference packages: run `make interop-env`",
         packages.display()
     );
+    let python_path = match transformers {
+        Transformers::Current => packages.into_os_string(),
+        Transformers::Four => std::env::join_paths([hf4, packages]).unwrap(),
+    };
     let path = Path::new(env!("CARGO_MANIFEST_DIR"))
         .join("../scripts/interop")
         .join(script);
     let output = Command::new("python")
         .arg(&path)
         .args(args)
-        .env("PYTHONPATH", &packages)
+        .env("PYTHONPATH", &python_path)
         .output()
         .expect("python from the Headway venv (make test puts it on PATH)");
     let text = format!(
@@ -117,6 +133,62 @@ fn eagle3_head(dir: &Path, target: &Target) -> Eagle3Head {
     }
 }
 
+/// `headway-train export --format FORMAT` of the checkpoint in `heads` for the target in
+/// `target_dir`, into `out`.
+fn export(heads: &Path, format: &str, out: &Path, target_dir: &Path) {
+    let output = run(
+        "headway-train",
+        &[
+            "export",
+            "--heads",
+            heads.to_str().unwrap(),
+            "--format",
+            format,
+            "--out",
+            out.to_str().unwrap(),
+            "--target",
+            target_dir.to_str().unwrap(),
+        ],
+    );
+    assert!(output.status.success(), "{}", stderr(&output));
+}
+
+/// `headway-train import --format FORMAT` of the head in `from` into `out`.
+fn import(from: &Path, format: &str, out: &Path, target_dir: &Path) {
+    let output = run(
+        "headway-train",
+        &[
+            "import",
+            "--from",
+            from.to_str().unwrap(),
+            "--format",
+            format,
+            "--out",
+            out.to_str().unwrap(),
+            "--target",
+            target_dir.to_str().unwrap(),
+        ],
+    );
+    assert!(output.status.success(), "{}", stderr(&output));
+    println!("{}", stdout(&output));
+}
+
+/// A head trained briefly by `headway-train HEAD` with `extra` options on the tiny features.
+fn train(root: &Path, head: &str, extra: &[&str]) -> PathBuf {
+    let out = root.join(format!("{head}-trained"));
+    let args = train_args(head, root, out.to_str().unwrap(), extra);
+    let output = headway_tests::headway_train(&as_strs(&args));
+    assert!(output.status.success(), "{}", stderr(&output));
+    out
+}
+
+/// One tensor of a safetensors file.
+fn read_tensor(path: &Path, name: &str) -> Tensor {
+    let bytes = std::fs::read(path).unwrap();
+    let (mut tensors, _) = from_safetensors_bytes(&bytes, path).unwrap();
+    tensors.remove(name).unwrap()
+}
+
 fn max_difference(a: &Tensor, b: &Tensor) -> f64 {
     assert_eq!(a.size(), b.size());
     (a - b).abs().max().double_value(&[])
@@ -130,45 +202,28 @@ fn specforge_loads_headways_eagle3_export_and_headway_imports_specforges_head() 
     let target_dir = root.join("target");
     let target = Target::load(&target_dir, Kind::Float, Device::Cpu, CpuThreads::new(1)).unwrap();
     let cases = Cases::new(&target);
-    let path_str = |p: &PathBuf| p.to_str().unwrap().to_string();
+    let cases_file = root.join("cases.safetensors");
+    let text = |p: &Path| p.to_str().unwrap().to_string();
 
     // Headway → SpecForge: a briefly trained head, exported, loaded by SpecForge's class.
-    let trained = root.join("trained");
-    let args = train_args(
-        "eagle3",
+    let trained = train(
         root,
-        trained.to_str().unwrap(),
+        "eagle3",
         &["--taps", "1,1,1", "--ttt", "3", "--draft-vocab", "64"],
     );
-    let out = headway_tests::headway_train(&as_strs(&args));
-    assert!(out.status.success(), "{}", stderr(&out));
     let exported = root.join("exported");
-    let out = run(
-        "headway-train",
-        &[
-            "export",
-            "--heads",
-            &path_str(&trained),
-            "--format",
-            "eagle3",
-            "--out",
-            &path_str(&exported),
-            "--target",
-            &path_str(&target_dir),
-        ],
-    );
-    assert!(out.status.success(), "{}", stderr(&out));
+    export(&trained, "eagle3", &exported, &target_dir);
     let ours = cases.logits(&eagle3_head(&trained, &target), &target);
-    let cases_file = root.join("cases.safetensors");
     cases.write(&cases_file, &target, &ours);
     let report = reference_script(
         "eagle3_specforge.py",
+        Transformers::Current,
         &[
             "check-export",
             "--export",
-            &path_str(&exported),
+            &text(&exported),
             "--cases",
-            &path_str(&cases_file),
+            &text(&cases_file),
             "--tolerance",
             &TOLERANCE.to_string(),
         ],
@@ -180,40 +235,122 @@ fn specforge_loads_headways_eagle3_export_and_headway_imports_specforges_head() 
     cases.write(&cases_file, &target, &[]);
     reference_script(
         "eagle3_specforge.py",
+        Transformers::Current,
         &[
             "write-head",
             "--target",
-            &path_str(&target_dir),
+            &text(&target_dir),
             "--cases",
-            &path_str(&cases_file),
+            &text(&cases_file),
             "--out",
-            &path_str(&theirs),
+            &text(&theirs),
         ],
     );
     let imported = root.join("imported");
-    let out = run(
-        "headway-train",
-        &[
-            "import",
-            "--from",
-            &path_str(&theirs),
-            "--format",
-            "eagle3",
-            "--out",
-            &path_str(&imported),
-            "--target",
-            &path_str(&target_dir),
-        ],
-    );
-    assert!(out.status.success(), "{}", stderr(&out));
-    println!("{}", stdout(&out));
-    let reference_path = theirs.join("reference_logits.safetensors");
-    let bytes = std::fs::read(&reference_path).unwrap();
-    let (reference, _) = from_safetensors_bytes(&bytes, &reference_path).unwrap();
+    import(&theirs, "eagle3", &imported, &target_dir);
     let ours = cases.logits(&eagle3_head(&imported, &target), &target);
     for (r, logits) in ours.iter().enumerate() {
-        let difference = max_difference(logits, &reference[&format!("logits_{r}")]);
+        let reference = read_tensor(
+            &theirs.join("reference_logits.safetensors"),
+            &format!("logits_{r}"),
+        );
+        let difference = max_difference(logits, &reference);
         println!("SpecForge's head in Headway, round {r}: max |Δlogit| {difference:.2e}");
         assert!(difference <= TOLERANCE, "round {r}: {difference:.2e}");
     }
+}
+
+/// Headway's outputs (the features its LM head reads) of the EAGLE-1 head in `dir` for the
+/// target's final hidden states `hidden` and next tokens `ids`, one causal pass.
+fn eagle_outputs(dir: &Path, target: &Target, hidden: &Tensor, ids: &Tensor) -> Tensor {
+    let head = match load_head(dir, target).unwrap().head {
+        DraftHead::Eagle(head) => head,
+        other => panic!("{} holds a {} head", dir.display(), other.name()),
+    };
+    let modules = FeatureHead::modules(&head, target.cpu.decode()).unwrap();
+    let positions = Tensor::arange(LENGTH, (Kind::Int64, Device::Cpu)).unsqueeze(0);
+    tch::no_grad(|| {
+        let features = modules.fuse(hidden, &[]).unwrap();
+        modules
+            .forward(&features, ids, &positions, None, None)
+            .unwrap()
+    })
+}
+
+#[test]
+fn the_eagle_repository_loads_headways_eagle_export_and_headway_imports_its_head() {
+    let dir = tempfile::tempdir().unwrap();
+    let root = dir.path();
+    features(root);
+    let target_dir = root.join("target");
+    let target = Target::load(&target_dir, Kind::Float, Device::Cpu, CpuThreads::new(1)).unwrap();
+    tch::manual_seed(23);
+    let c = target.model.config();
+    let hidden = Tensor::randn(
+        [1, LENGTH, c.hidden_size as i64],
+        (Kind::Float, Device::Cpu),
+    );
+    let ids = Tensor::randint(c.vocab_size as i64, [1, LENGTH], (Kind::Int64, Device::Cpu));
+    let cases_file = root.join("cases.safetensors");
+    let write_cases = |outputs: Option<&Tensor>| {
+        let mut tensors = vec![
+            (
+                "embed".to_string(),
+                target.model.model.embed_tokens().to_kind(Kind::Float),
+            ),
+            ("hidden".to_string(), hidden.shallow_clone()),
+            ("ids".to_string(), ids.shallow_clone()),
+        ];
+        tensors.extend(outputs.map(|o| ("outputs".to_string(), o.shallow_clone())));
+        write_safetensors(&cases_file, &tensors).unwrap();
+    };
+    let text = |p: &Path| p.to_str().unwrap().to_string();
+
+    // Headway → EAGLE repository: fc without a bias (the default) and a scaled embedding, which
+    // the export folds into fc.
+    let trained = train(root, "eagle", &["--embed-scale", "4"]);
+    let exported = root.join("exported");
+    export(&trained, "eagle", &exported, &target_dir);
+    write_cases(Some(&eagle_outputs(&trained, &target, &hidden, &ids)));
+    let report = reference_script(
+        "eagle1_eagle_repo.py",
+        Transformers::Four,
+        &[
+            "check-export",
+            "--export",
+            &text(&exported),
+            "--cases",
+            &text(&cases_file),
+            "--tolerance",
+            &TOLERANCE.to_string(),
+        ],
+    );
+    println!("{report}");
+
+    // EAGLE repository → Headway: its published layout (pytorch_model.bin with the embedding,
+    // fc with a bias).
+    let theirs = root.join("eagle-repo-head");
+    write_cases(None);
+    reference_script(
+        "eagle1_eagle_repo.py",
+        Transformers::Four,
+        &[
+            "write-head",
+            "--target",
+            &text(&target_dir),
+            "--cases",
+            &text(&cases_file),
+            "--out",
+            &text(&theirs),
+        ],
+    );
+    let imported = root.join("imported");
+    import(&theirs, "eagle", &imported, &target_dir);
+    let reference = read_tensor(&theirs.join("reference_outputs.safetensors"), "outputs");
+    let difference = max_difference(
+        &eagle_outputs(&imported, &target, &hidden, &ids),
+        &reference,
+    );
+    println!("the EAGLE repository's head in Headway: max |Δ| {difference:.2e}");
+    assert!(difference <= TOLERANCE, "{difference:.2e}");
 }

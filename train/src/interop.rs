@@ -5,10 +5,12 @@
 //!   `{k}.{l}.linear.bias` and each head's LM head `{k}.{L}.weight` (a shared LM head is written
 //!   out per head, as that format has no shared one).
 //! - EAGLE (EAGLE repository, vLLM, SGLang): `config.json`, the target's Llama config with one
-//!   layer, and `model.safetensors` with `fc.*` and `layers.0.*`; a draft vocabulary adds
-//!   EAGLE-3's `d2t` (draft index → target id offset, `target = i + d2t[i]`) and `t2d` (bool mask
-//!   over the target vocabulary) with `draft_vocab_size` in the config. A head's embedding scale
-//!   is folded into `fc.weight`'s embedding columns, so the exported head computes the same.
+//!   layer per head layer, `"bias"` for `fc` and the architecture the chosen engine dispatches on
+//!   (`--engine`); `model.safetensors` with `fc.*` and `layers.*` (vLLM, SGLang), and the same
+//!   plus the target's `embed_tokens.weight` as `pytorch_model.bin` (the EAGLE repository loads
+//!   only that, strictly). A head's embedding scale is folded into `fc.weight`'s embedding
+//!   columns, so the exported head computes the same; a draft vocabulary is dropped with a
+//!   warning (no EAGLE-1 loader reads one).
 //! - EAGLE-3 (SpecForge, the EAGLE repository, vLLM, SGLang): `config.json` with
 //!   `architectures: ["LlamaForCausalLMEagle3"]`, one layer, `draft_vocab_size` and
 //!   `tie_word_embeddings: false`, and `model.safetensors` with `fc.weight` (no bias),
@@ -97,18 +99,29 @@ fn write(path: &Path, bytes: &[u8]) -> anyhow::Result<()> {
 /// The target's LM head weight `[vocab, hidden]` (the embedding when tied), read from its files.
 fn target_lm_head(dir: &Path) -> anyhow::Result<Tensor> {
     let config = ModelConfig::from_dir(dir)?;
+    match config.tie_word_embeddings {
+        true => target_embedding(dir),
+        false => target_vocab_matrix(dir, "lm_head.weight"),
+    }
+}
+
+/// The target's token embedding `[vocab, hidden]`, read from its files.
+fn target_embedding(dir: &Path) -> anyhow::Result<Tensor> {
+    target_vocab_matrix(dir, "model.embed_tokens.weight")
+}
+
+fn target_vocab_matrix(dir: &Path, name: &str) -> anyhow::Result<Tensor> {
+    let config = ModelConfig::from_dir(dir)?;
     let mut weights = SafetensorsWeights::open(dir, Kind::Float, Device::Cpu)?;
-    let name = if config.tie_word_embeddings {
-        "model.embed_tokens.weight"
-    } else {
-        "lm_head.weight"
-    };
     Ok(headway_model::WeightSource::tensor(
         &mut weights,
         name,
         &[config.vocab_size as i64, config.hidden_size as i64],
     )?)
 }
+
+/// The rotary base the EAGLE repository's EAGLE-1 model code uses whatever the config says.
+const EAGLE_REPO_ROPE_THETA: f64 = 10_000.0;
 
 pub fn run_export(args: ExportArgs) -> anyhow::Result<()> {
     let checkpoint = headway_checkpoints::load(&args.heads)?;
@@ -184,6 +197,22 @@ pub fn run_export(args: ExportArgs) -> anyhow::Result<()> {
                     checkpoint.dir.display(),
                     d2t.len(),
                     checkpoint.config.target.vocab_size
+                );
+            }
+            // The EAGLE repository loads only `pytorch_model.bin`, strictly: embedding included.
+            let mut state: Vec<(String, Tensor)> = tensors
+                .iter()
+                .map(|(n, t)| (n.clone(), t.to_kind(Kind::Float)))
+                .collect();
+            state.push(("embed_tokens.weight".into(), target_embedding(&target)?));
+            write(
+                &args.out.join("pytorch_model.bin"),
+                &crate::torch_save::state_dict_bytes(&state)?,
+            )?;
+            let theta = config["rope_theta"].as_f64().unwrap_or(EAGLE_REPO_ROPE_THETA);
+            if theta != EAGLE_REPO_ROPE_THETA {
+                eprintln!(
+                    "warning: the target's rope_theta is {theta}; the EAGLE repository's EAGLE-1 model code rotates with {EAGLE_REPO_ROPE_THETA} whatever the config says, so this head drafts worse there (vLLM and SGLang read rope_theta)"
                 );
             }
             write_weights(&args.out, tensors)?;

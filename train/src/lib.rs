@@ -9,6 +9,7 @@ mod interop;
 mod objective;
 mod optim;
 mod prepare;
+mod torch_save;
 mod trainer;
 mod vocab_loss;
 
