@@ -23,6 +23,24 @@ pub fn to_safetensors_bytes(
     metadata: Option<&str>,
     what: &Path,
 ) -> Result<Vec<u8>> {
+    let info = metadata.map(|json| HashMap::from([(METADATA_KEY.to_string(), json.to_string())]));
+    serialize(tensors, info, what)
+}
+
+/// Serialises `tensors` for tools on the PyTorch side (exports, model files): the header carries
+/// `format: pt` as PyTorch's writers put it, since transformers 4 refuses files without it.
+pub fn to_pytorch_safetensors_bytes(tensors: &[(String, Tensor)], what: &Path) -> Result<Vec<u8>> {
+    let info = HashMap::from([("format".to_string(), "pt".to_string())]);
+    serialize(tensors, Some(info), what)
+}
+
+/// `tensors` with the header metadata `info` (one key at most: safetensors writes the map in
+/// its hash order, and the bytes must not depend on it).
+fn serialize(
+    tensors: &[(String, Tensor)],
+    info: Option<HashMap<String, String>>,
+    what: &Path,
+) -> Result<Vec<u8>> {
     let data = tensors
         .iter()
         .map(|(name, tensor)| {
@@ -47,7 +65,6 @@ pub fn to_safetensors_bytes(
                 .map_err(|e| error(what, format!("tensor {name}: {e}")))
         })
         .collect::<Result<Vec<_>>>()?;
-    let info = metadata.map(|json| HashMap::from([(METADATA_KEY.to_string(), json.to_string())]));
     safetensors::serialize(views, info).map_err(|e| error(what, e.to_string()))
 }
 

@@ -45,13 +45,13 @@ pub fn tiny_config() -> ModelConfig {
         .expect("the tiny config resolves")
 }
 
-/// Writes `tensors` (f32, CPU) to a safetensors file.
+/// Writes `tensors` (f32, CPU) to a safetensors file, marked `format: pt` as model files are.
 pub fn write_safetensors(path: &Path, tensors: &[(String, Tensor)]) -> Result<()> {
     let as_f32: Vec<(String, Tensor)> = tensors
         .iter()
         .map(|(name, t)| (name.clone(), t.to_kind(Kind::Float)))
         .collect();
-    let bytes = crate::safetensors_io::to_safetensors_bytes(&as_f32, None, path)?;
+    let bytes = crate::safetensors_io::to_pytorch_safetensors_bytes(&as_f32, path)?;
     std::fs::write(path, bytes).map_err(|e| ModelError::io(path, e))
 }
 

@@ -1,8 +1,9 @@
 //! Heads in the layouts other tools load, proven with those tools' own code (installed from PyPI
 //! by `make interop-env` under `$HEADWAY_HOME/interop`, run with the Headway venv's python that
-//! `make test` puts on PATH): SpecForge's EAGLE-3 draft model and the EAGLE repository's EAGLE-1
-//! model load Headway's exports and compute what Headway computes, and heads they initialised and
-//! trained import into Headway with the same predictions.
+//! `make test` puts on PATH): SpecForge's EAGLE-3 draft model, the EAGLE repository's EAGLE-1
+//! model and the Medusa repository's heads load Headway's exports and compute what Headway
+//! computes, and heads they initialised and trained import into Headway with the same
+//! predictions.
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -37,7 +38,7 @@ fn reference_script(script: &str, transformers: Transformers, args: &[&str]) -> 
     let packages = headway_home().join("interop");
     let hf4 = packages.join("hf4");
     assert!(
-        ["specforge", "eagle", "hf4/transformers"]
+        ["specforge", "eagle", "medusa", "hf4/transformers"]
             .iter()
             .all(|p| packages.join(p).is_dir()),
         "{} lacks the reference packages: run `make interop-env`",
@@ -353,4 +354,88 @@ fn the_eagle_repository_loads_headways_eagle_export_and_headway_imports_its_head
     );
     println!("the EAGLE repository's head in Headway: max |Δ| {difference:.2e}");
     assert!(difference <= TOLERANCE, "{difference:.2e}");
+}
+
+/// Headway's logits per head of the Medusa heads in `dir` for the target's final hidden states.
+fn medusa_logits(dir: &Path, target: &Target, hidden: &Tensor) -> Vec<Tensor> {
+    let heads = match load_head(dir, target).unwrap().head {
+        DraftHead::Medusa(heads) => heads,
+        other => panic!("{} holds a {} head", dir.display(), other.name()),
+    };
+    tch::no_grad(|| heads.forward(hidden, &target.cpu.decode()).unwrap())
+}
+
+#[test]
+fn the_medusa_repository_loads_headways_medusa_export_and_headway_imports_its_heads() {
+    let dir = tempfile::tempdir().unwrap();
+    let root = dir.path();
+    features(root);
+    let target_dir = root.join("target");
+    let target = Target::load(&target_dir, Kind::Float, Device::Cpu, CpuThreads::new(1)).unwrap();
+    tch::manual_seed(29);
+    let hidden = Tensor::randn(
+        [1, LENGTH, target.model.config().hidden_size as i64],
+        (Kind::Float, Device::Cpu),
+    );
+    let cases_file = root.join("cases.safetensors");
+    let write_cases = |logits: &[Tensor]| {
+        let mut tensors = vec![("hidden".to_string(), hidden.shallow_clone())];
+        for (k, l) in logits.iter().enumerate() {
+            tensors.push((format!("logits_{k}"), l.shallow_clone()));
+        }
+        write_safetensors(&cases_file, &tensors).unwrap();
+    };
+    let text = |p: &Path| p.to_str().unwrap().to_string();
+
+    // Headway → Medusa repository: three heads with their own LM heads, briefly trained.
+    let trained = train(root, "medusa", &["--heads", "3"]);
+    let exported = root.join("exported");
+    export(&trained, "medusa", &exported, &target_dir);
+    write_cases(&medusa_logits(&trained, &target, &hidden));
+    let report = reference_script(
+        "medusa_repo.py",
+        Transformers::Four,
+        &[
+            "check-export",
+            "--export",
+            &text(&exported),
+            "--target",
+            &text(&target_dir),
+            "--cases",
+            &text(&cases_file),
+            "--tolerance",
+            &TOLERANCE.to_string(),
+        ],
+    );
+    println!("{report}");
+
+    // Medusa repository → Headway: heads it initialised and trained, in its layout.
+    let theirs = root.join("medusa-repo-heads");
+    reference_script(
+        "medusa_repo.py",
+        Transformers::Four,
+        &[
+            "write-head",
+            "--export-config",
+            &text(&exported),
+            "--target",
+            &text(&target_dir),
+            "--cases",
+            &text(&cases_file),
+            "--out",
+            &text(&theirs),
+        ],
+    );
+    let imported = root.join("imported");
+    import(&theirs, "medusa", &imported, &target_dir);
+    let reference_path = theirs.join("reference_logits.safetensors");
+    for (k, logits) in medusa_logits(&imported, &target, &hidden)
+        .iter()
+        .enumerate()
+    {
+        let reference = read_tensor(&reference_path, &format!("logits_{k}"));
+        let difference = max_difference(logits, &reference);
+        println!("the Medusa repository's head {k} in Headway: max |Δlogit| {difference:.2e}");
+        assert!(difference <= TOLERANCE, "head {k}: {difference:.2e}");
+    }
 }

@@ -193,12 +193,19 @@ fn export_then_import_gives_back_the_same_head() {
             ],
         );
         assert!(out.status.success(), "{}", stderr(&out));
-        let expected_file = if head == "medusa" {
-            "medusa_lm_head.safetensors"
-        } else {
-            "model.safetensors"
+        let expected_files: &[&str] = match head {
+            "medusa" => &["medusa_lm_head.pt", "model.safetensors"],
+            "eagle" => &["pytorch_model.bin", "model.safetensors"],
+            _ => &["model.safetensors"],
         };
-        assert!(exported.join(expected_file).exists() && exported.join("config.json").exists());
+        for file in expected_files.iter().chain(&["config.json"]) {
+            assert!(exported.join(file).exists(), "{name}: {file}");
+        }
+        let written = std::fs::read_to_string(exported.join("config.json")).unwrap();
+        assert!(
+            !written.contains(root.to_str().unwrap()),
+            "{name}: a path of this machine in {written}"
+        );
         let imported = root.join(format!("{name}-imported"));
         let out = run(
             "headway-train",

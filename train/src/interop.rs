@@ -1,9 +1,8 @@
 //! `export` / `import`: head checkpoints in the layouts other tools load.
 //!
-//! - Medusa (the Medusa repository): `config.json` with `medusa_num_heads`, `medusa_num_layers`
-//!   and `base_model_name_or_path`, and `medusa_lm_head.safetensors` with `{k}.{l}.linear.weight`,
-//!   `{k}.{l}.linear.bias` and each head's LM head `{k}.{L}.weight` (a shared LM head is written
-//!   out per head, as that format has no shared one).
+//! - Medusa (the Medusa repository, vLLM): one `config.json` with both's keys (see
+//!   [`medusa_config`]), `medusa_lm_head.pt` (`{k}.{l}.linear.*`, `{k}.{L}.weight`; the Medusa
+//!   repository reads only this) and `model.safetensors` in vLLM's names (see [`export_medusa`]).
 //! - EAGLE (EAGLE repository, vLLM, SGLang): `config.json`, the target's Llama config with one
 //!   layer per head layer, `"bias"` for `fc` and the architecture the chosen engine dispatches on
 //!   (`--engine`); `model.safetensors` with `fc.*` and `layers.*` (vLLM, SGLang), and the same
@@ -27,7 +26,7 @@ use headway_checkpoints::{CheckpointConfig, HeadKind, TargetRef, CHECKPOINT_FORM
 use headway_heads::eagle::fold_embed_scale;
 use headway_heads::{Eagle3Config, EagleConfig, MedusaConfig};
 use headway_model::fingerprint::target_fingerprint;
-use headway_model::safetensors_io::{from_safetensors_bytes, to_safetensors_bytes};
+use headway_model::safetensors_io::{from_safetensors_bytes, to_pytorch_safetensors_bytes};
 use headway_model::weights::weight_files;
 use headway_model::{ModelConfig, SafetensorsWeights};
 use tch::{Device, Kind, Tensor};
@@ -59,6 +58,11 @@ pub struct ExportArgs {
     /// EAGLE-3 and Medusa files serve every engine.
     #[arg(long, value_enum, default_value_t = Engine::Vllm)]
     engine: Engine,
+    /// A Medusa export's `base_model_name_or_path`: the target's name on the Hub or where the
+    /// serving machine keeps it (the Medusa repository loads the target from there). Default:
+    /// the target directory's name.
+    #[arg(long)]
+    base_model: Option<String>,
 }
 
 /// Serving engines whose EAGLE-1 config differs.
@@ -120,6 +124,81 @@ fn target_vocab_matrix(dir: &Path, name: &str) -> anyhow::Result<Tensor> {
     )?)
 }
 
+/// Writes Medusa heads `tensors` (Headway's names: `{k}.{l}.linear.*`, `{k}.{L}.weight` unless the
+/// LM head is shared) as vLLM reads them (`model.safetensors`: `blocks.{k}.layers.{l}.*`,
+/// `lm_heads.{k}.weight`) and, for one layer per head, as the Medusa repository does
+/// (`medusa_lm_head.pt`: Headway's names). A shared LM head is written out per head: neither
+/// layout has a shared one.
+fn export_medusa(
+    medusa: &MedusaConfig,
+    mut tensors: Vec<(String, Tensor)>,
+    target: &Path,
+    args: &ExportArgs,
+) -> anyhow::Result<()> {
+    let layers = medusa.num_layers;
+    if medusa.shared_lm_head {
+        let lm_head = target_lm_head(target)?;
+        for k in 0..medusa.num_heads {
+            tensors.push((format!("{k}.{layers}.weight"), lm_head.shallow_clone()));
+        }
+    }
+    tensors.sort_by(|a, b| a.0.cmp(&b.0));
+    if layers == 1 {
+        write(
+            &args.out.join("medusa_lm_head.pt"),
+            &crate::torch_save::state_dict_bytes(&tensors)?,
+        )?;
+    } else {
+        eprintln!(
+            "warning: the Medusa repository builds a head's {layers} layers from one shared block, so it cannot hold these heads; only vLLM's layout (model.safetensors) is written"
+        );
+    }
+    let vllm_names = tensors
+        .into_iter()
+        .map(|(name, t)| {
+            let (k, rest) = name.split_once('.').context("a Medusa tensor name")?;
+            let renamed = match rest.split_once('.') {
+                Some((l, "weight")) if l == layers.to_string() => format!("lm_heads.{k}.weight"),
+                Some((l, param)) => {
+                    let param = param.strip_prefix("linear.").unwrap_or(param);
+                    format!("blocks.{k}.layers.{l}.{param}")
+                }
+                None => anyhow::bail!("unexpected Medusa tensor {name}"),
+            };
+            Ok((renamed, t))
+        })
+        .collect::<anyhow::Result<Vec<_>>>()?;
+    write_weights(&args.out, vllm_names)
+}
+
+/// One `config.json` for both Medusa layouts: the Medusa repository's `medusa_num_heads`,
+/// `medusa_num_layers` and `base_model_name_or_path` (a name, not this machine's path), and
+/// vLLM's `model_type: medusa` with `num_heads`, `num_hidden_layers` and the sizes.
+fn medusa_config(
+    medusa: &MedusaConfig,
+    checkpoint: &headway_checkpoints::Checkpoint,
+    target: &Path,
+    args: &ExportArgs,
+) -> serde_json::Value {
+    let base_model = args.base_model.clone().unwrap_or_else(|| {
+        target
+            .file_name()
+            .map_or_else(String::new, |n| n.to_string_lossy().into_owned())
+    });
+    serde_json::json!({
+        "architectures": ["MedusaModel"],
+        "model_type": "medusa",
+        "medusa_num_heads": medusa.num_heads,
+        "medusa_num_layers": medusa.num_layers,
+        "num_heads": medusa.num_heads,
+        "num_hidden_layers": medusa.num_layers,
+        "hidden_size": medusa.hidden_size,
+        "vocab_size": medusa.vocab_size,
+        "base_model_name_or_path": base_model,
+        "headway_target_fingerprint": checkpoint.config.target.fingerprint,
+    })
+}
+
 /// The rotary base the EAGLE repository's EAGLE-1 model code uses whatever the config says.
 const EAGLE_REPO_ROPE_THETA: f64 = 10_000.0;
 
@@ -138,28 +217,10 @@ pub fn run_export(args: ExportArgs) -> anyhow::Result<()> {
         (HeadKind::Medusa(medusa), Format::Medusa) => {
             anyhow::ensure!(
                 checkpoint.config.draft_vocab.is_none(),
-                "the Medusa repository's format has no draft vocabulary; train without --draft-vocab to export"
+                "the Medusa layouts have no draft vocabulary; train without --draft-vocab to export"
             );
-            if medusa.shared_lm_head {
-                let lm_head = target_lm_head(&target)?;
-                for k in 0..medusa.num_heads {
-                    tensors.push((
-                        format!("{k}.{}.weight", medusa.num_layers),
-                        lm_head.shallow_clone(),
-                    ));
-                }
-            }
-            tensors.sort_by(|a, b| a.0.cmp(&b.0));
-            let path = args.out.join("medusa_lm_head.safetensors");
-            write(&path, &to_safetensors_bytes(&tensors, None, &path)?)?;
-            serde_json::json!({
-                "medusa_num_heads": medusa.num_heads,
-                "medusa_num_layers": medusa.num_layers,
-                "hidden_size": medusa.hidden_size,
-                "vocab_size": medusa.vocab_size,
-                "base_model_name_or_path": checkpoint.config.target.dir,
-                "headway_target_fingerprint": checkpoint.config.target.fingerprint,
-            })
+            export_medusa(medusa, tensors, &target, &args)?;
+            medusa_config(medusa, &checkpoint, &target, &args)
         }
         (HeadKind::Eagle { taps, .. }, Format::Eagle) if !taps.is_empty() => anyhow::bail!(
             "{} fuses the target's taps {taps:?} into its input, which the EAGLE repository's layout has no place for; only untapped heads export",
@@ -343,7 +404,7 @@ fn draft_vocab_of(offsets: &Tensor) -> anyhow::Result<Vec<u32>> {
 fn write_weights(out: &Path, mut tensors: Vec<(String, Tensor)>) -> anyhow::Result<()> {
     tensors.sort_by(|a, b| a.0.cmp(&b.0));
     let path = out.join("model.safetensors");
-    write(&path, &to_safetensors_bytes(&tensors, None, &path)?)
+    write(&path, &to_pytorch_safetensors_bytes(&tensors, &path)?)
 }
 
 /// A head directory's tensors: `model.safetensors` (or the shards its index lists), or
@@ -382,6 +443,35 @@ fn read_pickle(path: &Path) -> anyhow::Result<BTreeMap<String, Tensor>> {
             Ok((name, tensor.view(shape.as_slice())))
         })
         .collect::<anyhow::Result<_>>()
+}
+
+/// Medusa heads under Headway's names (the Medusa repository's): from `medusa_lm_head.pt` (the
+/// Medusa repository), `model.safetensors` in vLLM's names (`blocks.{k}.layers.{l}.*`,
+/// `lm_heads.{k}.weight`), or `medusa_lm_head.safetensors` (earlier Headway exports).
+fn read_medusa_tensors(dir: &Path, layers: usize) -> anyhow::Result<BTreeMap<String, Tensor>> {
+    let pickle = dir.join("medusa_lm_head.pt");
+    if pickle.exists() {
+        return read_pickle(&pickle);
+    }
+    let legacy = dir.join("medusa_lm_head.safetensors");
+    if legacy.exists() {
+        return read_tensors(&legacy);
+    }
+    read_head_tensors(dir)?
+        .into_iter()
+        .map(|(name, t)| {
+            let parts: Vec<&str> = name.split('.').collect();
+            let renamed = match parts[..] {
+                ["lm_heads", k, "weight"] => format!("{k}.{layers}.weight"),
+                ["blocks", k, "layers", l, param] => format!("{k}.{l}.linear.{param}"),
+                _ => anyhow::bail!(
+                    "{}: tensor {name} is neither a Medusa block (blocks.K.layers.L.*) nor an LM head (lm_heads.K.weight)",
+                    dir.display()
+                ),
+            };
+            Ok((renamed, t))
+        })
+        .collect()
 }
 
 /// What marks a head directory as EAGLE-3 (its config's architecture, its `midlayer.*` names or
@@ -459,13 +549,13 @@ pub fn run_import(args: ImportArgs) -> anyhow::Result<()> {
     };
     let (head, mut weights, draft_vocab) = match args.format {
         Format::Medusa => {
-            let weights = read_tensors(&args.from.join("medusa_lm_head.safetensors"))?;
-            let (num_heads, num_layers) = (field("medusa_num_heads")?, field("medusa_num_layers")?);
+            let either = |names: [&str; 2]| field(names[0]).or_else(|_| field(names[1]));
+            let num_heads = either(["medusa_num_heads", "num_heads"])?;
+            let num_layers = either(["medusa_num_layers", "num_hidden_layers"])?;
+            let weights = read_medusa_tensors(&args.from, num_layers)?;
             let lm_head = weights
                 .get(&format!("0.{num_layers}.weight"))
-                .with_context(|| {
-                    format!("medusa_lm_head.safetensors has no 0.{num_layers}.weight")
-                })?;
+                .with_context(|| format!("{}: no LM head for head 0", args.from.display()))?;
             let medusa = MedusaConfig {
                 num_heads,
                 num_layers,
