@@ -128,4 +128,4 @@ bench-train: build ref-env
 		--steps 8 --headway-json bench-train-medusa.json
 
 clean-cache:
-	rm -rf $(VENV) $(HEADWAY_HOME)/models $(CARGO_TARGET_DIR)
+	rm -rf $(VENV) $(HEADWAY_HOME)/models $(INTEROP) $(CARGO_TARGET_DIR)
