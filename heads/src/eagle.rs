@@ -204,14 +204,12 @@ impl FeatureHead for EagleHead {
         Ok(Box::new(EagleHead::modules(self, cpu)?))
     }
 
-    fn new_cache(&self, batch: usize, capacity: usize) -> Result<KvCache> {
-        Ok(KvCache::new(
-            &self.config.layer,
-            batch,
-            capacity,
-            Kind::Float,
-            self.device(),
-        )?)
+    fn layer_config(&self) -> &ModelConfig {
+        &self.config.layer
+    }
+
+    fn device(&self) -> Device {
+        EagleHead::device(self)
     }
 
     fn taps(&self) -> &[usize] {

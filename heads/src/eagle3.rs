@@ -288,14 +288,12 @@ impl FeatureHead for Eagle3Head {
         Ok(Box::new(Eagle3Head::modules(self, cpu)?))
     }
 
-    fn new_cache(&self, batch: usize, capacity: usize) -> Result<KvCache> {
-        Ok(KvCache::new(
-            &self.config.layer,
-            batch,
-            capacity,
-            Kind::Float,
-            self.device(),
-        )?)
+    fn layer_config(&self) -> &ModelConfig {
+        &self.config.layer
+    }
+
+    fn device(&self) -> Device {
+        Eagle3Head::device(self)
     }
 
     fn taps(&self) -> &[usize] {

@@ -1,8 +1,8 @@
 //! What the engine's tree drafter asks of a head that drafts feature by feature (EAGLE-1 and
 //! EAGLE-3): one drafter serves both.
 
-use headway_model::{CpuPolicy, KvCache};
-use tch::Tensor;
+use headway_model::{CpuPolicy, KvCache, ModelConfig};
+use tch::{Device, Kind, Tensor};
 
 use crate::error::Result;
 
@@ -35,9 +35,24 @@ pub trait FeatureHead {
     /// The modules, assembled from the current parameters to run under `cpu`.
     fn modules(&self, cpu: CpuPolicy) -> Result<Box<dyn FeatureModules + '_>>;
 
-    /// A KV cache for the head's layers.
-    fn new_cache(&self, batch: usize, capacity: usize) -> Result<KvCache>;
+    /// The geometry of the head's decoder layers (its `num_hidden_layers` is theirs).
+    fn layer_config(&self) -> &ModelConfig;
+
+    /// Where the head's parameters live.
+    fn device(&self) -> Device;
 
     /// Target layers whose residual stream the head reads besides the final hidden states.
     fn taps(&self) -> &[usize];
+
+    /// A KV cache for the head's layers.
+    fn new_cache(&self, batch: usize, capacity: usize) -> Result<KvCache> {
+        let config = self.layer_config();
+        Ok(KvCache::new(
+            config,
+            batch,
+            capacity,
+            Kind::Float,
+            self.device(),
+        )?)
+    }
 }

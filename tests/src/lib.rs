@@ -179,3 +179,45 @@ pub fn train_args<'a>(
 pub fn as_strs(args: &[String]) -> Vec<&str> {
     args.iter().map(String::as_str).collect()
 }
+
+/// `headway-train export` of the checkpoint in `heads` as `format` into `out`, for the target in
+/// `target`, with `extra` options.
+pub fn export_head(
+    heads: &Path,
+    format: &str,
+    out: &Path,
+    target: &Path,
+    extra: &[&str],
+) -> Output {
+    let mut args = vec![
+        "export",
+        "--heads",
+        heads.to_str().unwrap(),
+        "--format",
+        format,
+        "--out",
+        out.to_str().unwrap(),
+        "--target",
+        target.to_str().unwrap(),
+    ];
+    args.extend(extra);
+    run("headway-train", &args)
+}
+
+/// `headway-train import` of the head in `from` (layout `format`) into the checkpoint `out`.
+pub fn import_head(from: &Path, format: &str, out: &Path, target: &Path) -> Output {
+    run(
+        "headway-train",
+        &[
+            "import",
+            "--from",
+            from.to_str().unwrap(),
+            "--format",
+            format,
+            "--out",
+            out.to_str().unwrap(),
+            "--target",
+            target.to_str().unwrap(),
+        ],
+    )
+}

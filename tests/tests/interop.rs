@@ -14,7 +14,7 @@ use headway_model::safetensors_io::from_safetensors_bytes;
 use headway_model::target::headway_home;
 use headway_model::testing::write_safetensors;
 use headway_model::{CpuThreads, Target};
-use headway_tests::{as_strs, features, run, stderr, stdout, train_args};
+use headway_tests::{as_strs, export_head, features, import_head, stderr, stdout, train_args};
 use tch::{Device, Kind, Tensor};
 
 /// Logits may differ by this much (f32, different summation orders).
@@ -134,42 +134,15 @@ fn eagle3_head(dir: &Path, target: &Target) -> Eagle3Head {
     }
 }
 
-/// `headway-train export --format FORMAT` of the checkpoint in `heads` for the target in
-/// `target_dir`, into `out`.
+/// `headway-train export --format FORMAT` of the checkpoint in `heads` into `out`.
 fn export(heads: &Path, format: &str, out: &Path, target_dir: &Path) {
-    let output = run(
-        "headway-train",
-        &[
-            "export",
-            "--heads",
-            heads.to_str().unwrap(),
-            "--format",
-            format,
-            "--out",
-            out.to_str().unwrap(),
-            "--target",
-            target_dir.to_str().unwrap(),
-        ],
-    );
+    let output = export_head(heads, format, out, target_dir, &[]);
     assert!(output.status.success(), "{}", stderr(&output));
 }
 
 /// `headway-train import --format FORMAT` of the head in `from` into `out`.
 fn import(from: &Path, format: &str, out: &Path, target_dir: &Path) {
-    let output = run(
-        "headway-train",
-        &[
-            "import",
-            "--from",
-            from.to_str().unwrap(),
-            "--format",
-            format,
-            "--out",
-            out.to_str().unwrap(),
-            "--target",
-            target_dir.to_str().unwrap(),
-        ],
-    );
+    let output = import_head(from, format, out, target_dir);
     assert!(output.status.success(), "{}", stderr(&output));
     println!("{}", stdout(&output));
 }

@@ -6,8 +6,8 @@ use std::process::Output;
 
 use headway_model::testing::write_tiny_model;
 use headway_tests::{
-    as_strs, features, headway_train_killed, run, run_aborting_child, stderr, stdout, train_args,
-    AbortAfter,
+    as_strs, export_head, features, headway_train_killed, import_head, run, run_aborting_child,
+    stderr, stdout, train_args, AbortAfter,
 };
 
 /// `headway-train args`; with `abort_after_step`, killed after that step's checkpoint.
@@ -102,19 +102,12 @@ fn a_resumed_run_ends_with_the_same_weights_as_an_uninterrupted_one() {
             assert!(table.contains(name), "{head} eval lacks {name}: {table}");
         }
     }
-    let export = run(
-        "headway-train",
-        &[
-            "export",
-            "--heads",
-            root.join("eagle-whole").to_str().unwrap(),
-            "--format",
-            "eagle",
-            "--target",
-            root.join("target").to_str().unwrap(),
-            "--out",
-            root.join("exported").to_str().unwrap(),
-        ],
+    let export = export_head(
+        &root.join("eagle-whole"),
+        "eagle",
+        &root.join("exported"),
+        &root.join("target"),
+        &[],
     );
     assert!(!export.status.success());
     assert!(
@@ -178,20 +171,7 @@ fn export_then_import_gives_back_the_same_head() {
         let args = train_args(head, root, trained.to_str().unwrap(), extra);
         assert!(headway_train(&as_strs(&args), None).status.success());
         let exported = root.join(format!("{name}-exported"));
-        let out = run(
-            "headway-train",
-            &[
-                "export",
-                "--heads",
-                trained.to_str().unwrap(),
-                "--format",
-                head,
-                "--out",
-                exported.to_str().unwrap(),
-                "--target",
-                target.to_str().unwrap(),
-            ],
-        );
+        let out = export_head(&trained, head, &exported, &target, &[]);
         assert!(out.status.success(), "{}", stderr(&out));
         let expected_files: &[&str] = match head {
             "medusa" => &["medusa_lm_head.pt", "model.safetensors"],
@@ -207,20 +187,7 @@ fn export_then_import_gives_back_the_same_head() {
             "{name}: a path of this machine in {written}"
         );
         let imported = root.join(format!("{name}-imported"));
-        let out = run(
-            "headway-train",
-            &[
-                "import",
-                "--from",
-                exported.to_str().unwrap(),
-                "--format",
-                head,
-                "--out",
-                imported.to_str().unwrap(),
-                "--target",
-                target.to_str().unwrap(),
-            ],
-        );
+        let out = import_head(&exported, head, &imported, &target);
         assert!(out.status.success(), "{}", stderr(&out));
         let original = std::fs::read(trained.join("step-00000006/model.safetensors")).unwrap();
         let back = std::fs::read(imported.join("step-00000000/model.safetensors")).unwrap();
@@ -257,19 +224,12 @@ fn export_then_import_gives_back_the_same_head() {
             "{name}: head changed"
         );
     }
-    let wrong = run(
-        "headway-train",
-        &[
-            "export",
-            "--heads",
-            root.join("eagle-run").to_str().unwrap(),
-            "--format",
-            "medusa",
-            "--out",
-            root.join("x").to_str().unwrap(),
-            "--target",
-            target.to_str().unwrap(),
-        ],
+    let wrong = export_head(
+        &root.join("eagle-run"),
+        "medusa",
+        &root.join("x"),
+        &target,
+        &[],
     );
     assert!(
         !wrong.status.success() && stderr(&wrong).contains("eagle head"),
@@ -372,19 +332,7 @@ fn exports_write_what_each_loader_reads_and_refuse_what_none_can() {
     };
     let export = |heads: &Path, format: &str, name: &str, extra: &[&str]| {
         let out = root.join(name);
-        let mut args = vec![
-            "export",
-            "--heads",
-            heads.to_str().unwrap(),
-            "--format",
-            format,
-            "--out",
-            out.to_str().unwrap(),
-            "--target",
-            target.to_str().unwrap(),
-        ];
-        args.extend(extra);
-        (run("headway-train", &args), out)
+        (export_head(heads, format, &out, &target, extra), out)
     };
     let config = |dir: &Path| -> serde_json::Value {
         serde_json::from_str(&std::fs::read_to_string(dir.join("config.json")).unwrap()).unwrap()
@@ -468,22 +416,8 @@ fn exports_write_what_each_loader_reads_and_refuse_what_none_can() {
     }
     assert!(names.iter().any(|n| n.starts_with("midlayer.self_attn.")));
     assert!(!names.iter().any(|n| n == "fc.bias"));
-    let import_as = |from: &Path, format: &str| {
-        run(
-            "headway-train",
-            &[
-                "import",
-                "--from",
-                from.to_str().unwrap(),
-                "--format",
-                format,
-                "--out",
-                root.join("imported").to_str().unwrap(),
-                "--target",
-                target.to_str().unwrap(),
-            ],
-        )
-    };
+    let import_as =
+        |from: &Path, format: &str| import_head(from, format, &root.join("imported"), &target);
     let wrong = import_as(&exported, "eagle");
     assert!(
         !wrong.status.success() && stderr(&wrong).contains("EAGLE-3 head"),
