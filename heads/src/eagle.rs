@@ -27,7 +27,7 @@ use tch::{Device, Kind, Tensor};
 
 use crate::error::{HeadError, Result};
 use crate::feature_head::{FeatureHead, FeatureModules};
-use crate::params::Params;
+use crate::params::{torch_default, Params};
 
 /// The tap fusion's projection `[hidden, taps × hidden]`.
 pub(crate) const TAP_PROJ: &str = "tap_proj.weight";
@@ -136,14 +136,10 @@ impl EagleHead {
         let device = embed.device();
         let mut params = Params::new();
         for (name, shape) in parameter_shapes(&config)? {
-            let value = if name.ends_with("norm.weight") {
-                Tensor::ones(shape.as_slice(), (Kind::Float, device))
-            } else if name == TAP_PROJ {
+            let value = if name == TAP_PROJ {
                 Tensor::zeros(shape.as_slice(), (Kind::Float, device))
             } else {
-                let fan_in = if shape.len() == 2 { shape[1] } else { h * 2 };
-                let bound = 1.0 / (fan_in as f64).sqrt();
-                Tensor::empty(shape.as_slice(), (Kind::Float, device)).uniform_(-bound, bound)
+                torch_default(&name, &shape, h * 2, device)
             };
             params.insert(name, &value);
         }

@@ -23,7 +23,7 @@ use tch::{Device, Kind, Tensor};
 
 use crate::error::{HeadError, Result};
 use crate::feature_head::{FeatureHead, FeatureModules};
-use crate::params::Params;
+use crate::params::{torch_default, Params};
 
 /// Prefix of the draft layer's parameters (the references' name).
 pub const MIDLAYER: &str = "midlayer";
@@ -115,14 +115,10 @@ impl Eagle3Head {
         let device = embed.device();
         let mut params = Params::new();
         for (name, shape) in config.parameter_shapes()? {
-            let value = if name.ends_with("norm.weight") {
-                Tensor::ones(shape.as_slice(), (Kind::Float, device))
-            } else if name == LM_HEAD {
+            let value = if name == LM_HEAD {
                 lm_head_rows.to_kind(Kind::Float)
             } else {
-                let fan_in = if shape.len() == 2 { shape[1] } else { 2 * h };
-                let bound = 1.0 / (fan_in as f64).sqrt();
-                Tensor::empty(shape.as_slice(), (Kind::Float, device)).uniform_(-bound, bound)
+                torch_default(&name, &shape, 2 * h, device)
             };
             params.insert(name, &value);
         }

@@ -3,9 +3,26 @@
 use std::collections::BTreeMap;
 
 use headway_model::{ModelError, WeightSource};
-use tch::Tensor;
+use tch::{Device, Kind, Tensor};
 
 use crate::error::{HeadError, Result};
+
+/// A fresh parameter as torch's modules start it: a `*norm.weight` is one, any other weight or
+/// bias is uniform ±1/√fan_in (`nn.Linear`'s default), fan_in being a matrix's columns and
+/// `bias_fan_in` for a 1-D bias. Draws from libtorch's generator (seed it with
+/// `tch::manual_seed`).
+pub fn torch_default(name: &str, shape: &[i64], bias_fan_in: i64, device: Device) -> Tensor {
+    if name.ends_with("norm.weight") {
+        return Tensor::ones(shape, (Kind::Float, device));
+    }
+    let fan_in = if shape.len() == 2 {
+        shape[1]
+    } else {
+        bias_fan_in
+    };
+    let bound = 1.0 / (fan_in as f64).sqrt();
+    Tensor::empty(shape, (Kind::Float, device)).uniform_(-bound, bound)
+}
 
 /// Named leaf tensors (sorted by name, so iteration, saving and optimizer state have one order).
 #[derive(Debug, Default)]
