@@ -23,7 +23,7 @@ export HEADWAY_HOME
 export CARGO_TARGET_DIR ?= $(HEADWAY_HOME)/target
 BIN := $(CARGO_TARGET_DIR)/release
 
-.PHONY: demo test build venv model data openai-client ref-env interop-env fixtures bench bench-spec bench-prepare bench-train clean-cache
+.PHONY: demo test build venv model data openai-client ref-env interop-env fixtures bench bench-spec bench-prepare bench-train bench-eagle3 clean-cache
 
 demo: model data build
 	BIN=$(BIN) QUESTIONS=$(QUESTIONS) scripts/demo.sh
@@ -126,6 +126,35 @@ bench-train: build ref-env
 		--steps 8 --save-every 1000 --threads 2 --draft-vocab 8192 --json bench-train-medusa.json
 	$(PYTHON) scripts/bench_train_torch.py --head medusa --draft-vocab 8192 --features $(PREPARE_BENCH_DIR) \
 		--steps 8 --headway-json bench-train-medusa.json
+
+# EAGLE-3 training against SpecForge's own (its model, training-time test, compact teacher and
+# optimizer, from PyPI; scripts/bench_eagle3_specforge.py says which three workarounds a CPU needs)
+# on the same features and batches, both heads scored by Headway's held-out eval; then a second,
+# shorter pair of runs in the other order for the training rates. Features: EAGLE3_FEATURES (made
+# with SmolLM2's default taps from 300 ShareGPT conversations when absent).
+EAGLE3_BENCH_DIR ?= /tmp/headway-bench-eagle3
+EAGLE3_FEATURES ?= $(EAGLE3_BENCH_DIR)/features
+EAGLE3_STEPS ?= 30
+EAGLE3_TRAIN := --threads 2 --lr 1e-3 --warmup 2 --draft-vocab 8192
+SPECFORGE := PYTHONPATH=$(INTEROP):scripts $(PYTHON) scripts/bench_eagle3_specforge.py
+bench-eagle3: model data build interop-env
+	test -f $(EAGLE3_FEATURES)/manifest.json || $(BIN)/headway-train prepare --data sharegpt \
+		--max-seqs 300 --max-len 512 --layers 2,15,27 --threads 2 --out $(EAGLE3_FEATURES)
+	rm -rf $(EAGLE3_BENCH_DIR)/runs && mkdir -p $(EAGLE3_BENCH_DIR)/runs
+	cd $(EAGLE3_BENCH_DIR)/runs && \
+	$(BIN)/headway-train eagle3 --features $(EAGLE3_FEATURES) --out headway --steps $(EAGLE3_STEPS) \
+		$(EAGLE3_TRAIN) --save-every 100000 --json headway.json && \
+	$(SPECFORGE) train --features $(EAGLE3_FEATURES) --out specforge --steps $(EAGLE3_STEPS) \
+		$(EAGLE3_TRAIN) --json specforge.json && \
+	$(BIN)/headway-train import --format eagle3 --from specforge --out specforge-imported && \
+	$(BIN)/headway-train eval --heads specforge-imported --features $(EAGLE3_FEATURES) --threads 2 \
+		--json specforge-eval.json && \
+	$(SPECFORGE) train --features $(EAGLE3_FEATURES) --out specforge-rerun --steps 6 \
+		$(EAGLE3_TRAIN) --json specforge-rerun.json && \
+	$(BIN)/headway-train eagle3 --features $(EAGLE3_FEATURES) --out headway-rerun --steps 6 \
+		$(EAGLE3_TRAIN) --save-every 100000 --json headway-rerun.json && \
+	$(SPECFORGE) report --headway headway.json --specforge specforge.json \
+		--specforge-eval specforge-eval.json --rerun headway-rerun.json specforge-rerun.json
 
 clean-cache:
 	rm -rf $(VENV) $(HEADWAY_HOME)/models $(INTEROP) $(CARGO_TARGET_DIR)

@@ -2,9 +2,8 @@
 """PyTorch baseline for head training: the same head, loss, optimizer and batches as
 `headway-train eagle|medusa`, timed on the same machine.
 
-Reads a Headway feature directory, rebuilds the trainer's first-epoch batch stream exactly (shard
-and sequence shuffles from the seed with the same SplitMix64 arithmetic, the same greedy
-padded-token packing), and runs `--steps` optimizer updates of:
+Reads a Headway feature directory as the trainer's first epoch does (the very batches:
+scripts/headway_features.py) and runs `--steps` optimizer updates of:
 
 - EAGLE: fc(concat(s * embed(t[i+1]), f[i])) -> one transformers LlamaDecoderLayer without its input
   norm -> f_hat; loss SmoothL1(f_hat, f) + 0.1 * soft-CE against the frozen LM head; uniform
@@ -33,62 +32,7 @@ from safetensors.torch import load_file
 from transformers import AutoConfig, AutoModelForCausalLM
 from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRotaryEmbedding
 
-MASK = (1 << 64) - 1
-
-
-def mix64(x: int) -> int:
-    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & MASK
-    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & MASK
-    return x ^ (x >> 31)
-
-
-def shuffled(n: int, seed: int) -> list[int]:
-    order = list(range(n))
-    state = seed
-    for i in range(n - 1, 0, -1):
-        state = (state + 0x9E3779B97F4A7C15) & MASK
-        j = mix64(state) % (i + 1)
-        order[i], order[j] = order[j], order[i]
-    return order
-
-
-def pack(lengths, order, batch_tokens):
-    batches, start, longest = [], 0, 0
-    for i, s in enumerate(order):
-        candidate = max(longest, lengths[s])
-        if i > start and (i - start + 1) * candidate > batch_tokens:
-            batches.append((start, i))
-            start, longest = i, lengths[s]
-        else:
-            longest = candidate
-    if start < len(order):
-        batches.append((start, len(order)))
-    return batches
-
-
-def batches(features: Path, manifest: dict, seed: int, batch_tokens: int):
-    """The trainer's epoch-0 stream: (ids [B,T], loss_mask [B,T], hidden [B,T,H], tokens)."""
-    shards = [i for i, s in enumerate(manifest["shards"]) if s["split"] == "train"]
-    epoch_seed = seed ^ mix64(0)
-    for slot in shuffled(len(shards), mix64(epoch_seed)):
-        index = shards[slot]
-        data = load_file(features / manifest["shards"][index]["file"])
-        offsets = data["offsets"].tolist()
-        lengths = [b - a for a, b in zip(offsets, offsets[1:])]
-        order = shuffled(len(lengths), mix64(seed ^ mix64(0) ^ mix64(index + 1)))
-        for start, end in pack(lengths, order, batch_tokens):
-            members = order[start:end]
-            longest = max(lengths[m] for m in members)
-            ids = torch.zeros(len(members), longest, dtype=torch.long)
-            mask = torch.zeros(len(members), longest, dtype=torch.bool)
-            hidden = torch.zeros(len(members), longest, data["hidden"].shape[1])
-            for row, m in enumerate(members):
-                a, b = offsets[m], offsets[m + 1]
-                ids[row, : b - a] = data["input_ids"][a:b].long()
-                mask[row, : b - a] = data["loss_mask"][a:b].bool()
-                hidden[row, : b - a] = data["hidden"][a:b].float()
-            yield ids, mask, hidden, sum(lengths[m] for m in members)
-
+from headway_features import batches
 
 class Eagle(torch.nn.Module):
     def __init__(self, config, embed, lm_head, embed_scale):
@@ -192,16 +136,16 @@ def main() -> None:
     del model
     optimizer = torch.optim.AdamW([p for p in head.parameters() if p.requires_grad], lr=1e-4, betas=(0.9, 0.95), weight_decay=0.0)
 
-    stream = batches(args.features, manifest, args.seed, args.batch_tokens)
+    stream = batches(args.features, args.seed, args.batch_tokens)
     tokens, start = 0, time.perf_counter()
     for step in range(args.steps):
-        ids, mask, hidden, n = next(stream)
-        loss = head.loss(ids, mask, hidden)
+        batch = next(stream)
+        loss = head.loss(batch["ids"], batch["loss_mask"], batch["hidden"])
         optimizer.zero_grad()
         loss.backward()
         torch.nn.utils.clip_grad_norm_(head.parameters(), 0.5)
         optimizer.step()
-        tokens += n
+        tokens += batch["tokens"]
     seconds = time.perf_counter() - start
     rate = tokens / seconds
     print(f"PyTorch {torch.__version__} {args.head}, {args.threads} threads: {args.steps} steps, {tokens} tokens in {seconds:.1f} s = {rate:.0f} tokens/s (last loss {loss.item():.3f})")

@@ -195,6 +195,9 @@ pub struct EvalArgs {
     /// Padded tokens per evaluation batch.
     #[arg(long, default_value_t = 2048)]
     batch_tokens: usize,
+    /// Also write the held-out figures to this JSON file (`make bench-eagle3` reads them).
+    #[arg(long)]
+    json: Option<PathBuf>,
 }
 
 /// The target and features, checked against each other.
@@ -374,9 +377,16 @@ fn train(
             "parameters": objective.params().numel(),
             "held_out": eval.means(),
         });
-        std::fs::write(path, serde_json::to_string_pretty(&figures)? + "\n")
-            .with_context(|| format!("writing {}", path.display()))?;
+        write_figures(path, &figures)?;
     }
+    Ok(())
+}
+
+/// Writes a command's figures as pretty JSON, atomically (a bench reading it never sees half).
+fn write_figures(path: &Path, figures: &serde_json::Value) -> anyhow::Result<()> {
+    let text = serde_json::to_string_pretty(figures)? + "\n";
+    headway_model::files::write_bytes_atomically(path, text.as_bytes())
+        .with_context(|| format!("writing {}", path.display()))?;
     Ok(())
 }
 
@@ -537,6 +547,15 @@ pub fn run_eval(args: EvalArgs) -> anyhow::Result<()> {
     );
     for (name, value) in metrics.means() {
         println!("  {name:<20} {value:.4}");
+    }
+    if let Some(path) = &args.json {
+        let figures = serde_json::json!({
+            "head": checkpoint.config.head.name(),
+            "checkpoint": checkpoint.dir,
+            "step": checkpoint.config.step,
+            "held_out": metrics.means(),
+        });
+        write_figures(path, &figures)?;
     }
     Ok(())
 }

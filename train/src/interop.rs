@@ -674,3 +674,33 @@ pub fn run_import(args: ImportArgs) -> anyhow::Result<()> {
     println!("imported {} → {}", args.from.display(), dir.display());
     Ok(())
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use headway_model::testing::tiny_config_json;
+
+    fn target_dir(architecture: &str) -> tempfile::TempDir {
+        let dir = tempfile::tempdir().unwrap();
+        let mut config = tiny_config_json();
+        config["architectures"] = serde_json::json!([architecture]);
+        std::fs::write(dir.path().join("config.json"), config.to_string()).unwrap();
+        dir
+    }
+
+    #[test]
+    fn eagle1_exports_of_targets_with_biased_or_normed_attention_are_refused_by_name() {
+        assert!(refuse_biased_layers(target_dir("LlamaForCausalLM").path()).is_ok());
+        assert!(refuse_biased_layers(target_dir("MistralForCausalLM").path()).is_ok());
+        for (architecture, named) in [
+            ("Qwen2ForCausalLM", "q/k/v biases"),
+            ("Qwen3ForCausalLM", "q/k norms"),
+        ] {
+            let message = refuse_biased_layers(target_dir(architecture).path())
+                .unwrap_err()
+                .to_string();
+            assert!(message.contains(named), "{architecture}: {message}");
+            assert!(message.contains("EAGLE-3"), "{architecture}: {message}");
+        }
+    }
+}
