@@ -23,7 +23,7 @@ export HEADWAY_HOME
 export CARGO_TARGET_DIR ?= $(HEADWAY_HOME)/target
 BIN := $(CARGO_TARGET_DIR)/release
 
-.PHONY: demo test build venv model data openai-client ref-env interop-env fixtures bench bench-spec bench-prepare bench-train bench-eagle3 clean-cache
+.PHONY: demo test build venv model data openai-client ref-env interop-env fixtures bench bench-spec bench-prepare bench-train bench-eagle3 interop-vllm clean-cache
 
 demo: model data build
 	BIN=$(BIN) QUESTIONS=$(QUESTIONS) scripts/demo.sh
@@ -136,10 +136,13 @@ EAGLE3_BENCH_DIR ?= /tmp/headway-bench-eagle3
 EAGLE3_FEATURES ?= $(EAGLE3_BENCH_DIR)/features
 EAGLE3_STEPS ?= 30
 EAGLE3_TRAIN := --threads 2 --lr 1e-3 --warmup 2 --draft-vocab 8192
-SPECFORGE := PYTHONPATH=$(INTEROP):scripts $(PYTHON) scripts/bench_eagle3_specforge.py
+SPECFORGE := PYTHONPATH=$(INTEROP):$(CURDIR)/scripts $(PYTHON) $(CURDIR)/scripts/bench_eagle3_specforge.py
+# Run prepare (it resumes) unless the features are complete; other settings in place are kept.
+EAGLE3_PREPARE := grep -qs '"complete": true' $(EAGLE3_FEATURES)/manifest.json || \
+	$(BIN)/headway-train prepare --data sharegpt --max-seqs 300 --max-len 512 --layers 2,15,27 \
+		--threads 2 --out $(EAGLE3_FEATURES)
 bench-eagle3: model data build interop-env
-	test -f $(EAGLE3_FEATURES)/manifest.json || $(BIN)/headway-train prepare --data sharegpt \
-		--max-seqs 300 --max-len 512 --layers 2,15,27 --threads 2 --out $(EAGLE3_FEATURES)
+	$(EAGLE3_PREPARE)
 	rm -rf $(EAGLE3_BENCH_DIR)/runs && mkdir -p $(EAGLE3_BENCH_DIR)/runs
 	cd $(EAGLE3_BENCH_DIR)/runs && \
 	$(BIN)/headway-train eagle3 --features $(EAGLE3_FEATURES) --out headway --steps $(EAGLE3_STEPS) \
@@ -156,5 +159,31 @@ bench-eagle3: model data build interop-env
 	$(SPECFORGE) report --headway headway.json --specforge specforge.json \
 		--specforge-eval specforge-eval.json --rerun headway-rerun.json specforge-rerun.json
 
+# vLLM's CPU build (its own venv: it pins torch 2.13) serving an EAGLE-3, an EAGLE-1 and a Medusa
+# export of heads briefly trained on EAGLE3_FEATURES with its own speculative decoding: each loads,
+# greedy replies equal plain decoding's, drafted tokens get accepted (scripts/interop/vllm_spec.py).
+VLLM_ENV := $(HEADWAY_HOME)/vllm-env
+VLLM_CHECK_DIR ?= /tmp/headway-interop-vllm
+$(VLLM_ENV)/.installed: scripts/interop/vllm_env.sh
+	rm -rf $(VLLM_ENV)
+	scripts/interop/vllm_env.sh $(VLLM_ENV)
+	touch $@
+interop-vllm: model data build $(VLLM_ENV)/.installed
+	$(EAGLE3_PREPARE)
+	rm -rf $(VLLM_CHECK_DIR) && mkdir -p $(VLLM_CHECK_DIR)
+	$(BIN)/headway-train eagle3 --features $(EAGLE3_FEATURES) --out $(VLLM_CHECK_DIR)/eagle3 \
+		--steps 30 $(EAGLE3_TRAIN) --save-every 100000
+	$(BIN)/headway-train eagle --features $(EAGLE3_FEATURES) --out $(VLLM_CHECK_DIR)/eagle \
+		--steps 40 --threads 2 --lr 1e-3 --warmup 5 --save-every 100000
+	$(BIN)/headway-train medusa --features $(EAGLE3_FEATURES) --out $(VLLM_CHECK_DIR)/medusa \
+		--steps 20 --threads 2 --lr 1e-3 --warmup 5 --save-every 100000
+	for head in eagle3 eagle medusa; do \
+		$(BIN)/headway-train export --heads $(VLLM_CHECK_DIR)/$$head --format $$head \
+			--out $(VLLM_CHECK_DIR)/$$head-export || exit 1; \
+	done
+	VLLM_CPU_KVCACHE_SPACE=2 $(VLLM_ENV)/bin/python scripts/interop/vllm_spec.py --target $(TARGET_DIR) \
+		eagle3=$(VLLM_CHECK_DIR)/eagle3-export eagle=$(VLLM_CHECK_DIR)/eagle-export \
+		medusa=$(VLLM_CHECK_DIR)/medusa-export
+
 clean-cache:
-	rm -rf $(VENV) $(HEADWAY_HOME)/models $(INTEROP) $(CARGO_TARGET_DIR)
+	rm -rf $(VENV) $(HEADWAY_HOME)/models $(INTEROP) $(VLLM_ENV) $(CARGO_TARGET_DIR)
