@@ -49,7 +49,7 @@ from specforge.optimizer import BF16Optimizer
 from specforge.runtime.contracts import TrainBatch
 from specforge.training.strategies.base import Eagle3TrainStrategy
 
-from headway_features import batches, manifest, train_shards
+from headway_features import batches, manifest, most_frequent_assistant_tokens
 
 
 class PlainLogSoftmaxLoss:
@@ -92,11 +92,7 @@ def vocab_mapping(features: Path, draft_vocab: int, vocab: int):
     """d2t/t2d by SpecForge's rule (`process_token_dict_to_mappings`, which cannot be imported
     without HF `datasets`): the `draft_vocab` most frequent assistant tokens of the training
     split, ascending; d2t[i] = id_i - i, t2d marks them."""
-    counts = torch.zeros(vocab, dtype=torch.long)
-    for shard in train_shards(features):
-        data = load_file(str(features / shard["file"]))
-        counts += torch.bincount(data["input_ids"][data["loss_mask"].bool()].long(), minlength=vocab)
-    used = counts.argsort(descending=True, stable=True)[:draft_vocab].sort().values
+    used = most_frequent_assistant_tokens(features, draft_vocab, vocab).sort().values
     t2d = torch.zeros(vocab, dtype=torch.bool)
     t2d[used] = True
     return used - torch.arange(draft_vocab), t2d

@@ -28,11 +28,10 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from safetensors.torch import load_file
 from transformers import AutoConfig, AutoModelForCausalLM
 from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRotaryEmbedding
 
-from headway_features import batches
+from headway_features import batches, most_frequent_assistant_tokens
 
 class Eagle(torch.nn.Module):
     def __init__(self, config, embed, lm_head, embed_scale):
@@ -125,13 +124,7 @@ def main() -> None:
         vocab = lm_head.shape[0]
         d2t = torch.arange(vocab)
         if args.draft_vocab:
-            counts = torch.zeros(vocab, dtype=torch.long)
-            for shard in manifest["shards"]:
-                if shard["split"] == "train":
-                    data = load_file(args.features / shard["file"])
-                    counts += torch.bincount(data["input_ids"][data["loss_mask"].bool()].long(), minlength=vocab)
-            d2t = sorted(range(vocab), key=lambda i: (-counts[i].item(), i))[: args.draft_vocab]
-            d2t = torch.tensor(d2t)
+            d2t = most_frequent_assistant_tokens(args.features, args.draft_vocab, vocab)
         head = Medusa(args.medusa_heads, 1, lm_head[d2t], d2t, vocab)
     del model
     optimizer = torch.optim.AdamW([p for p in head.parameters() if p.requires_grad], lr=1e-4, betas=(0.9, 0.95), weight_decay=0.0)

@@ -53,6 +53,16 @@ def train_shards(features: Path) -> list[dict]:
     return [s for s in manifest(features)["shards"] if s["split"] == "train"]
 
 
+def most_frequent_assistant_tokens(features: Path, n: int, vocab: int) -> torch.Tensor:
+    """The `n` most frequent assistant tokens of the training split, most frequent first (ties:
+    lower id first), as `headway-train --draft-vocab` picks its draft vocabulary."""
+    counts = torch.zeros(vocab, dtype=torch.long)
+    for shard in train_shards(features):
+        data = load_file(features / shard["file"])
+        counts += torch.bincount(data["input_ids"][data["loss_mask"].bool()].long(), minlength=vocab)
+    return counts.argsort(descending=True, stable=True)[:n]
+
+
 def batches(features: Path, seed: int, batch_tokens: int):
     """The trainer's epoch-0 stream of dicts: `ids` [B,T] i64, `loss_mask` [B,T] bool, `lengths`
     [B], `hidden` [B,T,H] f32 (the target's final normed hidden state), `taps` [B,T,3H] f32 (the
