@@ -9,13 +9,14 @@
 //! [`ROW_KERNEL_MAX_ROWS`] rows (decoding, tree verification) run on [`row_kernel`] instead,
 //! which streams each weight row once for all rows, so verifying a few tokens costs about what
 //! decoding one does. The same split serves prefill and batched feature extraction (`gemm` blocks
-//! for cache reuse across rows). Training (tensors that require grad), other dtypes and GPUs use
+//! for cache reuse across rows). bf16 weights take the row kernel too (widened to f32 as they are
+//! read), libtorch past its rows. Training (tensors that require grad), other dtypes and GPUs use
 //! libtorch.
 
 use tch::{Device, Kind, Tensor};
 
 use crate::cpu::CpuPolicy;
-use crate::row_kernel::{self, Product};
+use crate::row_kernel::{self, Bf16, Product};
 use crate::spin_pool::SpinPool;
 
 /// A dense layer whose weight is `[out_features, in_features]` (the HF layout).
@@ -38,16 +39,23 @@ impl Linear {
     }
 
     /// `x` is `[..., in_features]`; returns `[..., out_features]`, on Headway's kernels where
-    /// `cpu` asks for them and the tensors allow (f32 on the CPU, no gradients), else libtorch's.
+    /// `cpu` asks for them and the tensors allow (f32 or bf16 on the CPU, no gradients), else
+    /// libtorch's.
     pub fn forward(&self, x: &Tensor, cpu: &CpuPolicy) -> Tensor {
         let in_features = self.weight.size()[1];
         let rows = x.numel() as i64 / in_features.max(1);
+        let kind = self.weight.kind();
         let pool = cpu.pool().filter(|_| {
             self.weight.device() == Device::Cpu
-                && self.weight.kind() == Kind::Float
-                && x.kind() == Kind::Float
+                && x.kind() == kind
                 && !self.weight.requires_grad()
                 && !x.requires_grad()
+                && match kind {
+                    Kind::Float => true,
+                    // bf16 has no `gemm` path: the row kernel or libtorch.
+                    Kind::BFloat16 => streams(rows as usize),
+                    _ => false,
+                }
         });
         let Some(pool) = pool else {
             return x.linear(&self.weight, self.bias.as_ref());
@@ -55,12 +63,14 @@ impl Linear {
         let mut out_shape = x.size();
         let out_features = self.weight.size()[0];
         *out_shape.last_mut().expect("x has a feature dimension") = out_features;
-        let y = split_gemm(
-            &x.contiguous().view([rows, in_features]),
-            &self.weight,
-            pool,
-        )
-        .view(out_shape.as_slice());
+        // bf16 activations widen to f32 exactly; the product rounds back to bf16 once.
+        let x32 = x
+            .to_kind(Kind::Float)
+            .contiguous()
+            .view([rows, in_features]);
+        let y = split_gemm(&x32, &self.weight, pool)
+            .to_kind(kind)
+            .view(out_shape.as_slice());
         match &self.bias {
             Some(b) => y + b,
             None => y,
@@ -69,14 +79,22 @@ impl Linear {
 }
 
 /// Products with up to this many rows run on [`row_kernel`] (it streams the weight once; `gemm`
-/// first packs it), larger ones on `gemm`. `cargo run --release -p headway-model --example
-/// row_kernel` (30 × (1536 × 576) products, one thread), ms row kernel vs gemm: 1 row 4.0 vs 4.6,
-/// 2 rows 3.8 vs 13.9, 4 rows 4.6 vs 14.3, 8 rows 8.6 vs 16.8, 13 rows 14.1 vs 19.3, 16 rows
-/// 19.8 vs 19.5 (and 17.1 vs 20.0 in another run), 20 rows 24.6 vs 22.2, 32 rows 31.8 vs 28.1.
-const ROW_KERNEL_MAX_ROWS: usize = 16;
+/// first packs it), larger ones on `gemm`. 64 is the largest tree `--tree-tokens` verifies: every
+/// verified row must take the kernel decoding takes, whatever the tree size, for its logits to be
+/// bit-identical to decoding's. `cargo run --release -p headway-model --example row_kernel`
+/// (30 × (1536 × 576) products, one thread), ms row kernel vs gemm: 1 row 4.0 vs 4.6, 2 rows 3.8
+/// vs 13.9, 4 rows 4.6 vs 14.3, 8 rows 8.6 vs 16.8, 13 rows 14.1 vs 19.3, 16 rows 19.8 vs 19.5,
+/// 20 rows 24.6 vs 22.2, 32 rows 31.8 vs 28.1: past 16 rows the kernel costs up to 13 % more than
+/// `gemm` would, the price of exactness.
+const ROW_KERNEL_MAX_ROWS: usize = 64;
 
-/// `x [rows, in] · wᵀ` for contiguous f32 CPU tensors, output features split between `pool`'s
-/// threads.
+/// Whether a product of `rows` rows runs on the row kernel.
+fn streams(rows: usize) -> bool {
+    rows <= ROW_KERNEL_MAX_ROWS && row_kernel::available()
+}
+
+/// `x [rows, in] · wᵀ` for a contiguous f32 `x` and an f32 or bf16 `weight` on the CPU (bf16
+/// only where [`streams`]), output features split between `pool`'s threads; f32 result.
 fn split_gemm(x: &Tensor, weight: &Tensor, pool: &SpinPool) -> Tensor {
     let (rows, in_features) = (x.size()[0] as usize, x.size()[1] as usize);
     let out_features = weight.size()[0] as usize;
@@ -92,7 +110,8 @@ fn split_gemm(x: &Tensor, weight: &Tensor, pool: &SpinPool) -> Tensor {
         y.data_ptr() as usize,
     );
     let part_len = out_features.div_ceil(parts);
-    let streamed = rows <= ROW_KERNEL_MAX_ROWS && row_kernel::available();
+    let streamed = streams(rows);
+    let bf16 = weight.kind() == Kind::BFloat16;
     let product = Product {
         rows,
         in_features,
@@ -104,18 +123,22 @@ fn split_gemm(x: &Tensor, weight: &Tensor, pool: &SpinPool) -> Tensor {
         if len == 0 {
             return;
         }
-        let (x, w, y) = (x_ptr as *const f32, w_ptr as *const f32, y_ptr as *mut f32);
-        // SAFETY: x, weight and y are contiguous f32 CPU tensors of the shapes read above, alive
-        // for the whole call; part `part` reads weight rows first..first+len and writes only
-        // columns first..first+len of y, so parts never overlap; the row kernel runs only where
-        // it is available.
+        let (x, y) = (x_ptr as *const f32, y_ptr as *mut f32);
+        // SAFETY: x, weight and y are contiguous CPU tensors of the shapes and kinds read above,
+        // alive for the whole call; part `part` reads weight rows first..first+len and writes
+        // only columns first..first+len of y, so parts never overlap; the row kernel runs only
+        // where it is available, and bf16 weights only reach this function where it is.
         unsafe {
             #[cfg(target_arch = "x86_64")]
             if streamed {
-                row_kernel::columns(x, w, y, product, first, len);
+                if bf16 {
+                    row_kernel::columns(x, w_ptr as *const Bf16, y, product, first, len);
+                } else {
+                    row_kernel::columns(x, w_ptr as *const f32, y, product, first, len);
+                }
                 return;
             }
-            gemm_columns(x, w, y, product, first, len);
+            gemm_columns(x, w_ptr as *const f32, y, product, first, len);
         }
     };
     pool.run(&run_part);
@@ -201,27 +224,42 @@ mod tests {
     }
 
     /// Decoding a token alone and verifying it inside a tree must give the same logits: every
-    /// row's output is bit-for-bit the same whatever the number of rows beside it.
+    /// row's output is bit-for-bit the same whatever the number of rows beside it, up to the
+    /// largest verified tree, for f32 and bf16 weights.
     #[test]
     fn each_row_of_a_few_row_product_equals_that_row_alone() {
-        for inp in [576, 133, 7] {
-            let x = Tensor::randn(
-                [ROW_KERNEL_MAX_ROWS as i64, inp],
-                (Kind::Float, Device::Cpu),
-            );
-            let layer = Linear::new(Tensor::randn([301, inp], (Kind::Float, Device::Cpu)), None);
-            let cpu = decode();
-            for rows in [2, 5, 13, ROW_KERNEL_MAX_ROWS as i64] {
-                let together = layer.forward(&x.narrow(0, 0, rows), &cpu);
-                for row in 0..rows {
-                    let alone = layer.forward(&x.narrow(0, row, 1), &cpu);
-                    assert!(
-                        together.narrow(0, row, 1).equal(&alone),
-                        "in {inp}, row {row} of {rows}"
-                    );
+        for kind in [Kind::Float, Kind::BFloat16] {
+            for inp in [576, 133, 7] {
+                let x = Tensor::randn([ROW_KERNEL_MAX_ROWS as i64, inp], (kind, Device::Cpu));
+                let weight = Tensor::randn([301, inp], (kind, Device::Cpu));
+                let layer = Linear::new(weight, Some(Tensor::randn([301], (kind, Device::Cpu))));
+                let cpu = decode();
+                for rows in [2, 5, 13, 16, 17, 32, ROW_KERNEL_MAX_ROWS as i64] {
+                    let together = layer.forward(&x.narrow(0, 0, rows), &cpu);
+                    for row in 0..rows {
+                        let alone = layer.forward(&x.narrow(0, row, 1), &cpu);
+                        assert!(
+                            together.narrow(0, row, 1).equal(&alone),
+                            "{kind:?}, in {inp}, row {row} of {rows}"
+                        );
+                    }
                 }
             }
         }
+    }
+
+    #[test]
+    fn bf16_weights_match_libtorch_within_bf16_rounding() {
+        let x = Tensor::randn([5, 576], (Kind::BFloat16, Device::Cpu));
+        let w = Tensor::randn([96, 576], (Kind::BFloat16, Device::Cpu));
+        let got = Linear::new(w.shallow_clone(), None).forward(&x, &decode());
+        assert_eq!(got.kind(), Kind::BFloat16);
+        let exact = x
+            .to_kind(Kind::Float)
+            .linear::<Tensor>(&w.to_kind(Kind::Float), None);
+        let relative =
+            max_diff(&got.to_kind(Kind::Float), &exact) / exact.abs().max().double_value(&[]);
+        assert!(relative < 1e-2, "relative error {relative}");
     }
 
     #[test]

@@ -12,6 +12,7 @@ use crate::cpu::CpuPolicy;
 use crate::kv_cache::KvCache;
 use crate::linear::Linear;
 use crate::mask::TreeInput;
+use crate::row_attention::{self, KeyMask};
 use crate::weights::{ShapeRecorder, WeightSource};
 use crate::{ModelError, Result};
 
@@ -191,16 +192,26 @@ impl Attention {
             Some(cache) => cache.append(ctx.layer, &keys, &values),
             None => (keys, values),
         };
-        let attended = Tensor::scaled_dot_product_attention(
-            &queries,
-            &keys,
-            &values,
-            ctx.mask,
-            0.0,
-            ctx.is_causal,
-            None,
-            self.num_heads != self.num_kv_heads,
-        );
+        let attended = match ctx.cpu.pool() {
+            Some(pool) if row_attention::applies(&queries, &keys) => {
+                let mask = match (ctx.mask, ctx.is_causal) {
+                    (Some(mask), _) => KeyMask::Given(mask),
+                    (None, true) => KeyMask::Causal,
+                    (None, false) => KeyMask::All,
+                };
+                row_attention::attend(&queries, &keys, &values, mask, pool)
+            }
+            _ => Tensor::scaled_dot_product_attention(
+                &queries,
+                &keys,
+                &values,
+                ctx.mask,
+                0.0,
+                ctx.is_causal,
+                None,
+                self.num_heads != self.num_kv_heads,
+            ),
+        };
         self.output(&attended, ctx.cpu)
     }
 

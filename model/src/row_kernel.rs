@@ -11,7 +11,8 @@
 //! input features in order, a fixed horizontal sum, then the tail in order), whatever the number
 //! of rows or how the output features are split between threads. A token's logits are therefore
 //! bit-for-bit the same whether it is decoded alone or verified inside a tree, as far as the
-//! linear layers go.
+//! linear layers go. Weights are f32 or bf16 ([`WeightElement`]); bf16 weights are widened to f32
+//! exactly as they are loaded, so both run the same f32 arithmetic.
 
 /// Whether this CPU runs the kernel (x86-64 with AVX2 and FMA); elsewhere `gemm` serves.
 pub fn available() -> bool {
@@ -34,16 +35,58 @@ pub struct Product {
     pub y_stride: usize,
 }
 
+/// An element type of weights the kernel reads: 8 at a time into f32 lanes, or one as an f32.
+pub trait WeightElement: Copy {
+    /// # Safety
+    /// `at..at + 8` must be in bounds of `row`; AVX2 must be available.
+    #[cfg(target_arch = "x86_64")]
+    unsafe fn load8(row: *const Self, at: usize) -> std::arch::x86_64::__m256;
+    /// # Safety
+    /// `at` must be in bounds of `row`.
+    unsafe fn load1(row: *const Self, at: usize) -> f32;
+}
+
+impl WeightElement for f32 {
+    #[cfg(target_arch = "x86_64")]
+    #[inline(always)]
+    unsafe fn load8(row: *const Self, at: usize) -> std::arch::x86_64::__m256 {
+        std::arch::x86_64::_mm256_loadu_ps(row.add(at))
+    }
+    #[inline(always)]
+    unsafe fn load1(row: *const Self, at: usize) -> f32 {
+        *row.add(at)
+    }
+}
+
+/// A bf16 value's bits: the upper half of the f32 it widens to exactly.
+#[derive(Clone, Copy)]
+#[repr(transparent)]
+pub struct Bf16(pub u16);
+
+impl WeightElement for Bf16 {
+    #[cfg(target_arch = "x86_64")]
+    #[inline(always)]
+    unsafe fn load8(row: *const Self, at: usize) -> std::arch::x86_64::__m256 {
+        use std::arch::x86_64::*;
+        let halves = _mm_loadu_si128(row.add(at) as *const __m128i);
+        _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(halves), 16))
+    }
+    #[inline(always)]
+    unsafe fn load1(row: *const Self, at: usize) -> f32 {
+        f32::from_bits(u32::from((*row.add(at)).0) << 16)
+    }
+}
+
 /// Computes columns `first..first + len` of `y = x wᵀ`.
 ///
 /// # Safety
 /// [`available`] must be true; `x` must hold `rows × in_features` floats, `w` at least
-/// `(first + len) × in_features`, and `y` `rows × y_stride` floats with `first + len ≤ y_stride`;
-/// no other thread may write those columns of `y` meanwhile.
+/// `(first + len) × in_features` elements, and `y` `rows × y_stride` floats with
+/// `first + len ≤ y_stride`; no other thread may write those columns of `y` meanwhile.
 #[cfg(target_arch = "x86_64")]
-pub unsafe fn columns(
+pub unsafe fn columns<W: WeightElement>(
     x: *const f32,
-    w: *const f32,
+    w: *const W,
     y: *mut f32,
     product: Product,
     first: usize,
@@ -65,8 +108,8 @@ pub unsafe fn columns(
                 while row < rows_end {
                     let tile = Tile { row, column };
                     row += match rows_end - row {
-                        1 => tile.run::<1>(x, w, y, product),
-                        _ => tile.run::<2>(x, w, y, product),
+                        1 => tile.run::<W, 1>(x, w, y, product),
+                        _ => tile.run::<W, 2>(x, w, y, product),
                     };
                 }
             }
@@ -95,10 +138,10 @@ struct Tile {
 impl Tile {
     /// Computes the tile's outputs and returns `R`, the rows done.
     #[target_feature(enable = "avx2,fma")]
-    unsafe fn run<const R: usize>(
+    unsafe fn run<W: WeightElement, const R: usize>(
         self,
         x: *const f32,
-        w: *const f32,
+        w: *const W,
         y: *mut f32,
         product: Product,
     ) -> usize {
@@ -130,7 +173,7 @@ impl Tile {
             let [a, b, c, d] = acc[r];
             let mut sum = horizontal_sum(_mm256_add_ps(_mm256_add_ps(a, b), _mm256_add_ps(c, d)));
             for j in full..k {
-                sum = (*x_rows[r].add(j)).mul_add(*w_row.add(j), sum);
+                sum = (*x_rows[r].add(j)).mul_add(W::load1(w_row, j), sum);
             }
             *y.add((self.row + r) * product.y_stride + self.column) = sum;
         }
@@ -142,15 +185,15 @@ impl Tile {
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma")]
 #[inline]
-unsafe fn step<const R: usize>(
+unsafe fn step<W: WeightElement, const R: usize>(
     acc: &mut [[std::arch::x86_64::__m256; CHAINS]; R],
     chain: usize,
     x_rows: &[*const f32; R],
-    w_row: *const f32,
+    w_row: *const W,
     at: usize,
 ) {
     use std::arch::x86_64::*;
-    let wv = _mm256_loadu_ps(w_row.add(at));
+    let wv = W::load8(w_row, at);
     for r in 0..R {
         let xv = _mm256_loadu_ps(x_rows[r].add(at));
         acc[r][chain] = _mm256_fmadd_ps(xv, wv, acc[r][chain]);

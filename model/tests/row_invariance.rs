@@ -1,0 +1,195 @@
+//! Bitwise row-count invariance: the final hidden state and logits of a token verified inside a
+//! tree of any size (1…64 new tokens, any shape, any prefix length) are `equal` — not close — to
+//! decoding it alone after its ancestors. The greedy identity of speculative decoding rests on it:
+//! two logits a few ulps apart would otherwise pick different tokens in the two runs.
+//!
+//! Prefix lengths cross the block sizes of libtorch's CPU attention (32 queries, 512 keys), which
+//! the decode policy no longer uses, so a regression to it fails here.
+
+use headway_model::config::HfConfig;
+use headway_model::mask::tree_depths;
+use headway_model::testing::tiny_config_json;
+use headway_model::{
+    CausalLm, CpuPolicy, CpuThreads, ForwardInput, KvCache, ModelConfig, RandomWeights, TreeInput,
+};
+use rand::rngs::StdRng;
+use rand::{Rng, SeedableRng};
+use tch::{Device, Kind, Tensor};
+
+const TREE_SIZES: [usize; 9] = [1, 2, 3, 5, 8, 16, 17, 32, 64];
+
+/// The tiny model's layout, and one whose sizes are no multiple of any vector width (hidden 80,
+/// 5 query heads over 1 key/value head of 16, MLP 200), so tails of every kernel are exercised.
+fn configs() -> Vec<ModelConfig> {
+    let odd = serde_json::json!({
+        "hidden_size": 80, "intermediate_size": 200, "num_attention_heads": 5,
+        "num_key_value_heads": 1, "max_position_embeddings": 2048,
+    });
+    let mut odd_json = tiny_config_json();
+    for (key, value) in odd.as_object().expect("an object") {
+        odd_json[key] = value.clone();
+    }
+    let mut tiny_json = tiny_config_json();
+    tiny_json["max_position_embeddings"] = 2048.into();
+    [tiny_json, odd_json]
+        .into_iter()
+        .map(|json| {
+            let raw: HfConfig = serde_json::from_value(json).expect("a valid config");
+            raw.resolve(std::path::Path::new("config.json"))
+                .expect("it resolves")
+        })
+        .collect()
+}
+
+fn model(config: &ModelConfig, kind: Kind) -> CausalLm {
+    let mut source = RandomWeights::new(11, kind, Device::Cpu);
+    CausalLm::load(config, &mut source).unwrap()
+}
+
+fn decode() -> CpuPolicy {
+    CpuThreads::new(2).decode()
+}
+
+/// A random tree of `size` nodes (parents before children) and its tokens.
+fn random_tree(rng: &mut StdRng, size: usize, vocab: usize) -> (Vec<u32>, Vec<Option<usize>>) {
+    let parents = (0..size)
+        .map(|node| match node {
+            0 => None,
+            // Mostly under one of the last few nodes: deep paths as well as wide levels.
+            _ if rng.random_bool(0.1) => None,
+            _ => Some(rng.random_range(node.saturating_sub(4)..node)),
+        })
+        .collect();
+    let tokens = (0..size)
+        .map(|_| rng.random_range(0..vocab as u32))
+        .collect();
+    (tokens, parents)
+}
+
+/// Final hidden states `[1, n, hidden]` and logits `[1, n, vocab]` of `input` after the cache.
+fn forward(model: &CausalLm, input: &TreeInput, cache: &mut KvCache) -> (Tensor, Tensor) {
+    let cpu = decode();
+    let hidden = model
+        .model
+        .forward(&ForwardInput::new(input, &[], &cpu), Some(cache))
+        .unwrap()
+        .hidden;
+    let logits = model.lm_head.forward(&hidden, &cpu);
+    (hidden, logits)
+}
+
+/// Checks every node of a random tree of `size` tokens after a random prefix of `prefix`
+/// tokens against decoding it alone after its ancestors.
+fn check_tree(model: &CausalLm, kind: Kind, prefix: usize, size: usize, seed: u64) {
+    let config = model.config();
+    let mut rng = StdRng::seed_from_u64(seed);
+    let prompt: Vec<u32> = (0..prefix)
+        .map(|_| rng.random_range(0..config.vocab_size as u32))
+        .collect();
+    let (tokens, parents) = random_tree(&mut rng, size, config.vocab_size);
+    let mut cache = KvCache::new(config, 1, prefix + size + 1, kind, Device::Cpu).unwrap();
+    let _prefill = forward(
+        model,
+        &TreeInput::causal(0, &prompt, Device::Cpu),
+        &mut cache,
+    );
+    let tree = TreeInput::tree(prefix, &tokens, &parents, Device::Cpu).unwrap();
+    let (tree_hidden, tree_logits) = forward(model, &tree, &mut cache);
+    // Depth first: when a node is decoded, the cache holds the prefix and exactly its ancestors.
+    let depths = tree_depths(&parents);
+    let mut pending: Vec<usize> = (0..size).rev().filter(|&n| parents[n].is_none()).collect();
+    let mut checked = 0;
+    while let Some(node) = pending.pop() {
+        let depth = depths[node];
+        cache.truncate(prefix + depth).unwrap();
+        let alone = TreeInput::causal(prefix + depth, &tokens[node..=node], Device::Cpu);
+        let (hidden, logits) = forward(model, &alone, &mut cache);
+        let row = |t: &Tensor| t.narrow(1, node as i64, 1);
+        let what = format!(
+            "{kind:?}, hidden {}, prefix {prefix}, tree of {size} (seed {seed}): node {node} at depth {depth}",
+            config.hidden_size
+        );
+        assert!(hidden.equal(&row(&tree_hidden)), "hidden differs: {what}");
+        assert!(logits.equal(&row(&tree_logits)), "logits differ: {what}");
+        pending.extend(
+            (0..size)
+                .rev()
+                .filter(|&child| parents[child] == Some(node)),
+        );
+        checked += 1;
+    }
+    assert_eq!(checked, size, "every node is checked");
+}
+
+#[test]
+fn every_tree_size_verifies_each_token_bit_for_bit_as_decoding_it() {
+    for config in configs() {
+        for kind in [Kind::Float, Kind::BFloat16] {
+            let model = model(&config, kind);
+            for (seed, &size) in TREE_SIZES.iter().enumerate() {
+                check_tree(&model, kind, 37, size, seed as u64);
+            }
+        }
+    }
+}
+
+#[test]
+fn prefixes_across_attention_block_sizes_keep_verification_bit_exact() {
+    for config in configs() {
+        for kind in [Kind::Float, Kind::BFloat16] {
+            let model = model(&config, kind);
+            for prefix in [1, 31, 33, 511, 513, 1100] {
+                for size in [17, 64] {
+                    check_tree(&model, kind, prefix, size, prefix as u64);
+                }
+            }
+        }
+    }
+}
+
+/// Several new tokens in order after the cache (a causal mask, no tree) also equal decoding them
+/// one at a time.
+#[test]
+fn a_causal_run_equals_decoding_its_tokens_one_by_one() {
+    for config in configs() {
+        let model = model(&config, Kind::Float);
+        let mut rng = StdRng::seed_from_u64(5);
+        let tokens: Vec<u32> = (0..80).map(|_| rng.random_range(0..300)).collect();
+        let (prompt, run) = tokens.split_at(16);
+        let mut cache = KvCache::new(&config, 1, 128, Kind::Float, Device::Cpu).unwrap();
+        let _prefill = forward(
+            &model,
+            &TreeInput::causal(0, prompt, Device::Cpu),
+            &mut cache,
+        );
+        let (together, _) = forward(&model, &TreeInput::causal(16, run, Device::Cpu), &mut cache);
+        cache.truncate(16).unwrap();
+        for (i, token) in run.iter().enumerate() {
+            let input = TreeInput::causal(16 + i, std::slice::from_ref(token), Device::Cpu);
+            let (alone, _) = forward(&model, &input, &mut cache);
+            assert!(
+                alone.equal(&together.narrow(1, i as i64, 1)),
+                "token {i} of a causal run of {}",
+                run.len()
+            );
+        }
+    }
+}
+
+/// The real SmolLM2: f32 trees of 64 and 17 tokens after a short prompt and after one longer than
+/// 512 tokens, a bf16 tree of 17.
+#[test]
+fn smollm2_verifies_trees_bit_for_bit_as_decoding_them() {
+    let dir = headway_model::testing::real_target_dir();
+    for kind in [Kind::Float, Kind::BFloat16] {
+        let target = headway_model::Target::load(&dir, kind, Device::Cpu, CpuThreads::new(2))
+            .expect("loading the real target");
+        let trees: &[(usize, usize)] = match kind {
+            Kind::Float => &[(40, 64), (600, 17)],
+            _ => &[(40, 17)],
+        };
+        for &(prefix, size) in trees {
+            check_tree(&target.model, kind, prefix, size, size as u64);
+        }
+    }
+}
