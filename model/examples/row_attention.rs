@@ -16,7 +16,7 @@ const LAYERS: usize = 30;
 const REPS: usize = 5;
 
 fn main() {
-    let pool = SpinPool::new(2);
+    let pool = SpinPool::new(1);
     let options = (Kind::Float, Device::Cpu);
     println!("  len  new   row attention ms   sdpa 1 thread ms   sdpa 2 threads ms");
     for len in [256, 1024] {

@@ -86,7 +86,7 @@ impl Linear {
 /// vs 13.9, 4 rows 4.6 vs 14.3, 8 rows 8.6 vs 16.8, 13 rows 14.1 vs 19.3, 16 rows 19.8 vs 19.5,
 /// 20 rows 24.6 vs 22.2, 32 rows 31.8 vs 28.1: past 16 rows the kernel costs up to 13 % more than
 /// `gemm` would, the price of exactness.
-const ROW_KERNEL_MAX_ROWS: usize = 64;
+pub(crate) const ROW_KERNEL_MAX_ROWS: usize = 64;
 
 /// Whether a product of `rows` rows runs on the row kernel.
 fn streams(rows: usize) -> bool {
