@@ -39,8 +39,12 @@ pub fn tiny_config_json() -> serde_json::Value {
 
 /// The resolved tiny config.
 pub fn tiny_config() -> ModelConfig {
+    resolve_tiny_config(tiny_config_json())
+}
+
+fn resolve_tiny_config(json: serde_json::Value) -> ModelConfig {
     let raw: crate::config::HfConfig =
-        serde_json::from_value(tiny_config_json()).expect("the tiny config is valid");
+        serde_json::from_value(json).expect("the tiny config is valid");
     raw.resolve(Path::new("tiny/config.json"))
         .expect("the tiny config resolves")
 }
@@ -57,12 +61,22 @@ pub fn write_safetensors(path: &Path, tensors: &[(String, Tensor)]) -> Result<()
 
 /// Writes a complete tiny model directory whose weights are [`RandomWeights`] with `seed`.
 pub fn write_tiny_model(dir: &Path, seed: u64) -> Result<()> {
+    write_tiny_model_with_width(dir, seed, TINY_VOCAB)
+}
+
+/// [`write_tiny_model`] with `width` rows of embedding and (tied) LM head instead of
+/// [`TINY_VOCAB`] (at least the tokenizer's 267 ids), beside the same tokenizer: a draft and a
+/// target whose logits differ in width. Each weight is drawn row after row from a stream seeded by its name, so with the same `seed`
+/// the rows both widths have are the same and only the extra rows are new.
+pub fn write_tiny_model_with_width(dir: &Path, seed: u64, width: usize) -> Result<()> {
     std::fs::create_dir_all(dir).map_err(|e| ModelError::io(dir, e))?;
+    let mut config_json = tiny_config_json();
+    config_json["vocab_size"] = width.into();
     let config_path = dir.join("config.json");
-    let config_text = serde_json::to_string_pretty(&tiny_config_json()).expect("json");
+    let config_text = serde_json::to_string_pretty(&config_json).expect("json");
     std::fs::write(&config_path, config_text).map_err(|e| ModelError::io(&config_path, e))?;
     let mut source = RandomWeights::new(seed, Kind::Float, Device::Cpu);
-    let tensors = crate::CausalLm::weight_shapes(&tiny_config())?
+    let tensors = crate::CausalLm::weight_shapes(&resolve_tiny_config(config_json))?
         .into_iter()
         .map(|(name, shape)| Ok((name.clone(), source.tensor(&name, &shape)?)))
         .collect::<Result<Vec<_>>>()?;

@@ -14,7 +14,10 @@ use headway_heads::{
     DraftVocab, Eagle3Config, Eagle3Head, EagleConfig, EagleHead, MedusaConfig, MedusaHeads,
 };
 use headway_model::mask::positions;
-use headway_model::testing::{fixture_path, real_target, write_tiny_model, TINY_VOCAB};
+use headway_model::testing::{
+    fixture_path, real_target, write_safetensors, write_tiny_model, write_tiny_model_with_width,
+    TINY_VOCAB,
+};
 use headway_model::{
     generate, CpuPolicy, CpuThreads, ForwardInput, KvCache, Message, Sampler, SamplingParams,
     Target,
@@ -24,11 +27,42 @@ use rand::{Rng, SeedableRng};
 use tch::{Device, Kind, Tensor};
 
 fn tiny_target(seed: u64) -> (tempfile::TempDir, Target) {
+    tiny_model_with_width(seed, TINY_VOCAB)
+}
+
+/// A tiny model like [`tiny_target`]'s with `width` rows of embedding and LM head.
+fn tiny_model_with_width(seed: u64, width: usize) -> (tempfile::TempDir, Target) {
     let dir = tempfile::tempdir().unwrap();
-    write_tiny_model(dir.path(), seed).unwrap();
+    write_tiny_model_with_width(dir.path(), seed, width).unwrap();
     let target = Target::load(dir.path(), Kind::Float, Device::Cpu, CpuThreads::new(2)).unwrap();
     (dir, target)
 }
+
+/// The tiny target of `seed` with every weight `w` replaced by `w · (1 + noise · ε)`, ε standard
+/// normal: a draft whose distributions are close to the target's, so that most of its sampled
+/// candidates have target mass and the q/p ratio and residual code run on nearly every node.
+fn perturbed_copy(seed: u64, noise: f64) -> (tempfile::TempDir, Target) {
+    let dir = tempfile::tempdir().unwrap();
+    write_tiny_model(dir.path(), seed).unwrap();
+    let weights = dir.path().join("model.safetensors");
+    tch::manual_seed(seed as i64);
+    let perturbed: Vec<(String, Tensor)> = Tensor::read_safetensors(&weights)
+        .unwrap()
+        .into_iter()
+        .map(|(name, w)| {
+            let factor = w.randn_like() * noise + 1.0;
+            (name, w * factor)
+        })
+        .collect();
+    write_safetensors(&weights, &perturbed).unwrap();
+    let target = Target::load(dir.path(), Kind::Float, Device::Cpu, CpuThreads::new(2)).unwrap();
+    (dir, target)
+}
+
+/// LM-head widths of draft models beside [`TINY_VOCAB`]-wide targets (issue 21): a narrower one
+/// cannot propose the target's last rows, a wider one has rows the target lacks.
+const NARROWER: usize = TINY_VOCAB - 20;
+const WIDER: usize = TINY_VOCAB + 80;
 
 fn greedy() -> Sampler {
     Sampler::new(SamplingParams::default())
@@ -293,6 +327,90 @@ fn greedy_speculative_output_equals_plain_greedy_for_every_drafter() {
     assert!(mean("draft (other model) + lookup") > mean("lookup") + 0.02);
 }
 
+/// Issue 21: draft models whose LM head is narrower or wider than the target's, over the same
+/// tokenizer, leave greedy output unchanged. Drawn with the target's seed they are the target
+/// with rows cut off or added, so the wider one, its extra rows masked, drafts the target's own
+/// argmax chain, and the narrower one does until the target emits an id past its rows.
+#[test]
+fn issue_21_greedy_output_is_unchanged_by_a_draft_of_another_lm_head_width() {
+    let (_dir, target) = tiny_target(11);
+    let (_narrower_dir, narrower) = tiny_model_with_width(11, NARROWER);
+    let (_wider_dir, wider) = tiny_model_with_width(11, WIDER);
+    let new_tokens = 40;
+    let capacity = 24 + new_tokens + 1;
+    let mut taus: BTreeMap<&str, Vec<f64>> = BTreeMap::new();
+    for (i, prompt) in random_prompts(10, 5).iter().enumerate() {
+        let plain = generate(&target, prompt, new_tokens, &mut greedy(), &mut |_| {}).unwrap();
+        for (name, draft) in [("narrower", &narrower), ("wider", &wider)] {
+            let mut drafter = DraftModelDrafter::new(draft, &target, 4, capacity).unwrap();
+            let (tokens, tau) = speculative_tokens(&target, &mut drafter, prompt, new_tokens);
+            assert_eq!(
+                tokens, plain.tokens,
+                "{name} draft on prompt {i}: {prompt:?}"
+            );
+            taus.entry(name).or_default().push(tau);
+        }
+    }
+    let mean = |name: &str| taus[name].iter().sum::<f64>() / taus[name].len() as f64;
+    assert!(mean("wider") > 3.0, "τ {}", mean("wider"));
+    assert!(mean("narrower") > 2.0, "τ {}", mean("narrower"));
+}
+
+/// Issue 21: sampled drafts from a narrower or wider LM head propose only ids the target has,
+/// from distributions over the target's width (zero past the draft's own rows), and speculative
+/// sampling runs through them. Untruncated sampling makes every row a candidate.
+#[test]
+fn issue_21_sampled_drafts_of_another_lm_head_width_stay_in_the_target_vocabulary() {
+    let (_dir, target) = tiny_target(31);
+    let (_narrower_dir, narrower) = tiny_model_with_width(32, NARROWER);
+    let (_wider_dir, wider) = tiny_model_with_width(32, WIDER);
+    let params = SamplingParams::new(1.0, 0, 1.0, 0.0, 0).unwrap();
+    let prompt: Vec<u32> = vec![7, 8, 9, 10];
+    let new_tokens = 40;
+    let capacity = prompt.len() + new_tokens + 1;
+    let verified = Verified {
+        context: &prompt,
+        hidden: &Tensor::new(),
+        taps: &[],
+    };
+    for (name, draft, proposable) in [
+        ("narrower", &narrower, NARROWER),
+        ("wider", &wider, TINY_VOCAB),
+    ] {
+        let mut drafter = DraftModelDrafter::new(draft, &target, 4, capacity).unwrap();
+        let mut sampler = Sampler::new(params);
+        for _ in 0..100 {
+            let tree = drafter.draft(&verified, &mut sampler).unwrap();
+            assert_eq!(tree.len(), 4);
+            for node in tree.nodes() {
+                assert!(
+                    (node.token as usize) < proposable,
+                    "{name} draft proposed {}",
+                    node.token
+                );
+                let Proposal::Sampled(p) = &node.proposal else {
+                    panic!("{name} draft proposed {} deterministically", node.token);
+                };
+                assert_eq!(p.len(), TINY_VOCAB, "{name} draft distribution");
+                assert!(p[proposable..].iter().all(|&x| x == 0.0));
+            }
+        }
+        for seed in 0..20 {
+            let out = generate_speculative(
+                &target,
+                &mut drafter,
+                &prompt,
+                new_tokens,
+                Acceptance::Lossless,
+                &mut Sampler::new(params.with_seed(seed)),
+                &mut |_| true,
+            )
+            .unwrap();
+            assert!(!out.generation.tokens.is_empty(), "{name} seed {seed}");
+        }
+    }
+}
+
 /// Keys and values of every layer for all cached positions.
 fn cache_rows(cache: &KvCache, layers: usize) -> Vec<Tensor> {
     (0..layers)
@@ -471,20 +589,71 @@ fn speculative_sampling_keeps_the_target_distribution_and_typical_acceptance_doe
         threshold: 0.09,
         alpha: 0.3,
     };
-    lossless_under(sampling(), Some(typical));
+    lossless_under(sampling(), Some(typical), true);
 }
 
 /// Min-p (issue 19) is applied to the target and the drafter alike, so acceptance stays lossless;
 /// here beside temperature and top-p.
 #[test]
 fn speculative_sampling_with_min_p_keeps_the_target_distribution() {
-    lossless_under(SamplingParams::new(0.8, 0, 0.95, 0.1, 0).unwrap(), None);
+    lossless_under(
+        SamplingParams::new(0.8, 0, 0.95, 0.1, 0).unwrap(),
+        None,
+        false,
+    );
 }
 
-/// Plain sampling and speculative sampling under `params` with a sampled draft model, a
-/// deterministic argmax chain, a sampled draft with prompt lookup grafted on and an EAGLE-3
-/// head's tree give the same distribution of the first tokens; `lossy`, given, must not.
-fn lossless_under(params: SamplingParams, lossy: Option<Acceptance>) {
+/// Relative noise on the perturbed copy's weights ([`perturbed_copy`]).
+const PERTURBATION: f64 = 0.04;
+
+/// Issue 21: the lossless tests' perturbed copy gets most of its sampled candidates accepted, so
+/// the distribution tests run the q/p ratio and the residual on most nodes; the unrelated draft
+/// model beside it does not, which is why it alone proves little.
+#[test]
+fn most_sampled_candidates_of_a_perturbed_copy_are_accepted() {
+    let (_dir, target) = tiny_target(31);
+    let (_copy_dir, copy) = perturbed_copy(31, PERTURBATION);
+    let (_other_dir, other) = tiny_target(32);
+    let prompt: Vec<u32> = vec![7, 8, 9, 10];
+    let new_tokens = 24;
+    let capacity = prompt.len() + new_tokens + 8;
+    let accepted_share = |draft: &Target| {
+        let mut drafter = DraftModelDrafter::new(draft, &target, 3, capacity).unwrap();
+        let (mut accepted, mut drafted) = (0, 0);
+        for seed in 0..40 {
+            let out = generate_speculative(
+                &target,
+                &mut drafter,
+                &prompt,
+                new_tokens,
+                Acceptance::Lossless,
+                &mut Sampler::new(sampling().with_seed(seed)),
+                &mut |_| true,
+            )
+            .unwrap();
+            accepted += out.steps.iter().map(|s| s.accepted()).sum::<usize>();
+            drafted += out.steps.iter().map(|s| s.tree_tokens).sum::<usize>();
+        }
+        accepted as f64 / drafted as f64
+    };
+    let (copy_share, other_share) = (accepted_share(&copy), accepted_share(&other));
+    eprintln!("accepted shares: perturbed copy {copy_share:.3}, unrelated {other_share:.3}");
+    assert!(
+        copy_share > 0.6,
+        "perturbed copy: {copy_share:.3} of its nodes accepted"
+    );
+    assert!(
+        copy_share > other_share + 0.2,
+        "unrelated draft: {other_share:.3}"
+    );
+}
+
+/// Plain sampling and speculative sampling under `params` with a sampled draft model (an
+/// unrelated one, and a perturbed copy of the target whose candidates are mostly accepted), a
+/// deterministic argmax chain, a sampled draft with prompt lookup grafted on, an EAGLE-3 head's
+/// tree and, with `other_widths`, draft models of narrower and wider LM heads give the same
+/// distribution of the first tokens; `lossy`, given, must not.
+fn lossless_under(params: SamplingParams, lossy: Option<Acceptance>, other_widths: bool) {
     let (_dir, target) = tiny_target(31);
     let (_draft_dir, other) = tiny_target(32);
     let prompt: Vec<u32> = vec![7, 8, 9, 10];
@@ -517,6 +686,13 @@ fn lossless_under(params: SamplingParams, lossy: Option<Acceptance>) {
         )
     };
     let mut sampled_draft = DraftModelDrafter::new(&other, &target, 3, capacity).unwrap();
+    let (_copy_dir, copy) = perturbed_copy(31, PERTURBATION);
+    let mut sampled_copy = DraftModelDrafter::new(&copy, &target, 3, capacity).unwrap();
+    // Issue 21: LM heads of other widths, their distributions cut or padded to the target's.
+    let (_narrower_dir, narrower) = tiny_model_with_width(32, NARROWER);
+    let (_wider_dir, wider) = tiny_model_with_width(32, WIDER);
+    let mut sampled_narrower = DraftModelDrafter::new(&narrower, &target, 3, capacity).unwrap();
+    let mut sampled_wider = DraftModelDrafter::new(&wider, &target, 3, capacity).unwrap();
     let mut argmax_chain =
         GreedyChain(DraftModelDrafter::new(&target, &target, 3, capacity).unwrap());
     // Deterministic lookup candidates tried after sampled siblings.
@@ -533,15 +709,18 @@ fn lossless_under(params: SamplingParams, lossy: Option<Acceptance>) {
     };
     let mut eagle3_tree =
         EagleDrafter::new(&eagle3, Some(&d2t3), shape, capacity, decode()).unwrap();
-    for (name, drafter) in [
-        (
-            "sampled draft model",
-            &mut sampled_draft as &mut dyn Drafter,
-        ),
+    let mut drafters: Vec<(&str, &mut dyn Drafter)> = vec![
+        ("sampled draft model", &mut sampled_draft),
+        ("sampled perturbed copy", &mut sampled_copy),
         ("deterministic argmax chain", &mut argmax_chain),
         ("sampled draft model + lookup", &mut sampled_with_lookup),
         ("EAGLE-3 tree", &mut eagle3_tree),
-    ] {
+    ];
+    if other_widths {
+        drafters.push(("sampled narrower draft model", &mut sampled_narrower));
+        drafters.push(("sampled wider draft model", &mut sampled_wider));
+    }
+    for (name, drafter) in drafters {
         let counts = run(drafter, Acceptance::Lossless, 2);
         let (stat, critical) = homogeneity(&plain, &counts);
         assert!(stat < critical, "{name}: chi2 {stat:.1} ≥ {critical:.1}");

@@ -1,6 +1,16 @@
 //! Classic speculative decoding with a smaller model of the same tokenizer: a chain of `k`
 //! tokens, greedy when the target decodes greedily, sampled from the draft's own distribution
 //! (same temperature / top-k / top-p) otherwise.
+//!
+//! The two LM heads may differ in width though the tokenizer is shared (Qwen2.5-0.5B has 151,936
+//! logits, Qwen2.5-7B 152,064): the rows past the tokenizer are padding. The draft proposes only
+//! ids the target has: its logits are cut to the narrower width before the sampling settings
+//! apply (a wider draft's distribution is renormalised over the target's ids), and its
+//! distribution is laid out over the target's width with zeros beyond its own rows.
+//! Acceptance stays exact, because rejection sampling keeps the target's distribution for any
+//! draft distribution over the target's ids, as long as the drafted token was drawn from the
+//! very distribution acceptance is handed; a zero entry only means the token is never proposed,
+//! and the residual `max(0, q − p)` keeps all of the target's mass there.
 
 use std::rc::Rc;
 
@@ -18,6 +28,11 @@ pub struct DraftModelDrafter<'m> {
     /// The tokens whose keys and values are in `cache`, in order.
     cached: Vec<u32>,
     num_tokens: usize,
+    /// Rows of the draft's embedding and LM head: the ids it can read.
+    draft_width: usize,
+    /// Rows of the target's LM head: draft distributions are laid out over them, as acceptance
+    /// compares them with the target's entry by entry.
+    target_width: usize,
 }
 
 impl<'m> DraftModelDrafter<'m> {
@@ -49,10 +64,13 @@ impl<'m> DraftModelDrafter<'m> {
             cache,
             cached: Vec::new(),
             num_tokens,
+            draft_width: model.model.config().vocab_size,
+            target_width: target.model.config().vocab_size,
         })
     }
 
-    /// Feeds `tokens` after the cache and returns the logits `[vocab]` at the last one.
+    /// Feeds `tokens` after the cache and returns the logits at the last one, over the ids both
+    /// LM heads have (`[min(draft width, target width)]`).
     fn feed(&mut self, tokens: &[u32]) -> Result<Tensor> {
         let input = TreeInput::causal(self.cache.len(), tokens, self.model.device);
         let hidden = self
@@ -66,7 +84,8 @@ impl<'m> DraftModelDrafter<'m> {
             .hidden;
         self.cached.extend_from_slice(tokens);
         let last = hidden.get(0).get(tokens.len() as i64 - 1);
-        Ok(self.model.model.lm_head.forward(&last, &self.cpu))
+        let logits = self.model.model.lm_head.forward(&last, &self.cpu);
+        Ok(logits.narrow(0, 0, self.draft_width.min(self.target_width) as i64))
     }
 }
 
@@ -84,6 +103,15 @@ impl Drafter for DraftModelDrafter<'_> {
             .min(context.len() - 1);
         self.cache.truncate(common)?;
         self.cached.truncate(common);
+        // A wider target can emit ids the draft has no embedding for (its padding rows, which a
+        // trained model all but never picks). The draft cannot read such a context: from then on
+        // it proposes nothing and the target decodes the sequence alone.
+        if context[common..]
+            .iter()
+            .any(|&t| t as usize >= self.draft_width)
+        {
+            return Ok(DraftTree::new());
+        }
         let mut logits = self.feed(&context[common..])?;
         let (mut tokens, mut proposals) = (Vec::new(), Vec::new());
         for i in 0..self.num_tokens {
@@ -94,7 +122,8 @@ impl Drafter for DraftModelDrafter<'_> {
                 )
             } else {
                 let p = sampler.params().distribution(&logits);
-                let p = Vec::<f32>::try_from(p.to_device(tch::Device::Cpu))?;
+                let mut p = Vec::<f32>::try_from(p.to_device(tch::Device::Cpu))?;
+                p.resize(self.target_width, 0.0);
                 (sampler.sample_slice(&p), Proposal::Sampled(Rc::new(p)))
             };
             tokens.push(token);
