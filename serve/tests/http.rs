@@ -41,8 +41,14 @@ fn start(extra: &[&str]) -> Server {
 fn start_on(target: &Path, dir: tempfile::TempDir, extra: &[&str]) -> Server {
     let port = free_port();
     let child = Command::new(env!("CARGO_BIN_EXE_headway-serve"))
-        .args(["http", "--method", "lookup", "--threads", "1", "--port"])
+        .args(["http", "--threads", "1", "--port"])
         .arg(port.to_string())
+        // Prompt lookup unless the test picks the method.
+        .args(if extra.contains(&"--method") {
+            &[][..]
+        } else {
+            &["--method", "lookup"][..]
+        })
         .arg("--target")
         .arg(target)
         .args(extra)
@@ -193,6 +199,41 @@ fn completions_chat_streaming_and_stop_strings() {
     );
     assert!(metrics.contains("headway_tau_bucket"));
     assert!(metrics.contains("headway_time_to_first_token_seconds_count"));
+}
+
+/// Issue 21: `speculative.accepted_tokens` counted the drafts that the last target forward
+/// accepted past `max_tokens`. The target drafting for itself has all four drafts of every
+/// forward accepted, so after the prompt forward's token each forward emits five tokens, and a
+/// reply of `n` tokens holds `n − 1 − ⌊(n − 1) / 5⌋` accepted drafts (the bonus tokens of the
+/// forwards that were not cut are the rest).
+#[test]
+fn issue_21_accepted_tokens_count_only_emitted_drafts() {
+    let dir = tempfile::tempdir().unwrap();
+    let target = dir.path().join("target");
+    write_tiny_model(&target, 41).unwrap();
+    let draft = target.to_str().unwrap().to_owned();
+    let args = [
+        "--method",
+        "draft",
+        "--draft-model",
+        &draft,
+        "--draft-tokens",
+        "4",
+    ];
+    let server = start_on(&target, dir, &args);
+    for max_tokens in 1..=12u64 {
+        let request = json!({"prompt": "tell me more", "max_tokens": max_tokens, "temperature": 0});
+        let (status, body) = post(&server, "/v1/completions", &request);
+        assert_eq!(status, 200, "{body}");
+        let completion = body["usage"]["completion_tokens"].as_u64().unwrap();
+        assert_eq!(completion, max_tokens, "{body}");
+        let emitted_drafts = completion - 1 - (completion - 1) / 5;
+        assert_eq!(
+            body["speculative"]["accepted_tokens"].as_u64().unwrap(),
+            emitted_drafts,
+            "max_tokens {max_tokens}: {body}"
+        );
+    }
 }
 
 #[test]

@@ -207,6 +207,23 @@ impl SpecGeneration {
     pub fn tau(&self) -> f64 {
         self.generation.tokens.len() as f64 / (self.steps.len() + 1) as f64
     }
+
+    /// Accepted draft tokens that were emitted. Only the last step can be cut short (by a stop
+    /// token, a cancelling stop string or `max_new_tokens`); its accepted drafts past the cut were
+    /// never emitted and do not count.
+    pub fn accepted_tokens(&self) -> usize {
+        // Tokens emitted after the prompt forward's first one, handed out to the steps in order.
+        let mut unclaimed = self.generation.tokens.len().saturating_sub(1);
+        self.steps
+            .iter()
+            .map(|step| {
+                let emitted = step.emitted.len().min(unclaimed);
+                unclaimed -= emitted;
+                // A step emits its accepted drafts first, its bonus token last.
+                step.accepted().min(emitted)
+            })
+            .sum()
+    }
 }
 
 /// Generates up to `max_new_tokens` after `prompt_ids` with `drafter`, streaming text through
@@ -316,5 +333,52 @@ impl Emitter<'_> {
             self.stop_reason = Some(StopReason::Length);
         }
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use headway_model::{Generation, StopReason};
+
+    use super::*;
+
+    fn step(emitted: &[u32]) -> Step {
+        Step {
+            emitted: emitted.to_vec(),
+            tree_tokens: 4,
+            tree_depth: 4,
+            draft_seconds: 0.0,
+            verify_seconds: 0.0,
+        }
+    }
+
+    fn generation(tokens: &[u32], steps: &[&[u32]]) -> SpecGeneration {
+        SpecGeneration {
+            generation: Generation {
+                tokens: tokens.to_vec(),
+                text: String::new(),
+                stop_reason: StopReason::Length,
+                prefill_seconds: 0.0,
+                seconds: 0.0,
+            },
+            steps: steps.iter().map(|e| step(e)).collect(),
+        }
+    }
+
+    #[test]
+    fn accepted_tokens_count_every_draft_of_uncut_steps() {
+        // First token 1; steps accept 2 then 0 drafts, each ending with its bonus.
+        let out = generation(&[1, 2, 3, 4, 5], &[&[2, 3, 4], &[5]]);
+        assert_eq!(out.accepted_tokens(), 2);
+    }
+
+    #[test]
+    fn accepted_tokens_skip_drafts_cut_from_the_last_step() {
+        // The last step accepted 3 drafts (7, 8, 9) and its bonus 10, but only 7 was emitted.
+        let out = generation(&[1, 2, 3, 4, 7], &[&[2, 3, 4], &[7, 8, 9, 10]]);
+        assert_eq!(out.accepted_tokens(), 3);
+        // Cut right before its bonus: every accepted draft was emitted.
+        let out = generation(&[1, 7, 8, 9], &[&[7, 8, 9, 10]]);
+        assert_eq!(out.accepted_tokens(), 3);
     }
 }

@@ -324,6 +324,7 @@ pub struct Usage {
 pub struct Speculative {
     pub method: String,
     pub target_forwards: usize,
+    /// Accepted draft tokens among the completion tokens.
     pub accepted_tokens: usize,
     /// Tokens per target forward (plain decoding: 1).
     pub tau: f64,

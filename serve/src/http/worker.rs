@@ -218,6 +218,6 @@ fn run_job(
         prompt_tokens: job.prompt_ids.len(),
         completion_tokens: generation.tokens.len(),
         target_forwards: out.steps.len() + 1,
-        accepted_tokens: out.steps.iter().map(|s| s.accepted()).sum(),
+        accepted_tokens: out.accepted_tokens(),
     }));
 }
