@@ -23,7 +23,7 @@ export HEADWAY_HOME
 export CARGO_TARGET_DIR ?= $(HEADWAY_HOME)/target
 BIN := $(CARGO_TARGET_DIR)/release
 
-.PHONY: demo test build venv model data openai-client ref-env interop-env fixtures bench bench-spec bench-prepare bench-train bench-eagle3 interop-vllm clean-cache
+.PHONY: demo test build venv model data openai-client ref-env interop-env fixtures bench bench-spec bench-prepare bench-train bench-eagle3 interop-vllm exactness clean-cache
 
 demo: model data build
 	BIN=$(BIN) QUESTIONS=$(QUESTIONS) scripts/demo.sh
@@ -184,6 +184,23 @@ interop-vllm: model data build $(VLLM_ENV)/.installed
 	VLLM_CPU_KVCACHE_SPACE=2 $(VLLM_ENV)/bin/python scripts/interop/vllm_spec.py --target $(TARGET_DIR) \
 		eagle3=$(VLLM_CHECK_DIR)/eagle3-export eagle=$(VLLM_CHECK_DIR)/eagle-export \
 		medusa=$(VLLM_CHECK_DIR)/medusa-export
+
+# Greedy plain decoding against every method (EAGLE and EAGLE-3: the committed heads; Medusa: a
+# 20-step head on 16 conversations, its accuracy irrelevant to exactness; draft model: the target
+# converted to bf16), each alone and with prompt lookup, trees of 1, 8, 32 and 64 tokens, on all
+# Spec-Bench questions (EXACTNESS_LIMIT; SIZES and METHODS pick a subset); prints identical/total
+# per method and size (scripts/exactness.sh). Hours on 2 cores.
+EXACTNESS_DIR ?= /tmp/headway-exactness
+EXACTNESS_LIMIT ?= 0
+exactness: model data build
+	grep -qs '"complete": true' $(EXACTNESS_DIR)/features/manifest.json || $(BIN)/headway-train prepare \
+		--data sharegpt --max-seqs 16 --max-len 256 --threads 2 --out $(EXACTNESS_DIR)/features
+	test -f $(EXACTNESS_DIR)/medusa/latest || $(BIN)/headway-train medusa --features $(EXACTNESS_DIR)/features \
+		--out $(EXACTNESS_DIR)/medusa --steps 20 --threads 2 --lr 1e-3 --warmup 5 --save-every 100000
+	test -f $(EXACTNESS_DIR)/draft-bf16/model.safetensors || $(BIN)/headway-train convert --dtype bf16 \
+		--gguf "$$($(PYTHON) scripts/smollm2_gguf_path.py)" --out $(EXACTNESS_DIR)/draft-bf16
+	BIN=$(BIN) LIMIT=$(EXACTNESS_LIMIT) scripts/exactness.sh $(EXACTNESS_DIR)/runs $(QUESTIONS) \
+		$(EXACTNESS_DIR)/medusa $(EXACTNESS_DIR)/draft-bf16
 
 clean-cache:
 	rm -rf $(VENV) $(HEADWAY_HOME)/models $(INTEROP) $(VLLM_ENV) $(CARGO_TARGET_DIR)

@@ -142,6 +142,12 @@ pub fn run(args: BenchArgs) -> anyhow::Result<()> {
         ));
     }
     println!("{table}");
+    if let (Some(identical), true) = (report.identical_to_ar, options.sampling.is_greedy()) {
+        println!(
+            "{identical} of {} prompts identical to plain decoding",
+            report.per_prompt.len()
+        );
+    }
     if let Some(path) = &args.json {
         let text = serde_json::to_string_pretty(&report)?;
         write_file(path, text.as_bytes())?;
@@ -329,7 +335,7 @@ fn prompt_result(
         seconds: generation.seconds,
         prefill_seconds: generation.prefill_seconds,
         target_forwards: out.steps.len() + 1,
-        accepted_tokens: out.steps.iter().map(|s| s.accepted()).sum(),
+        accepted_tokens: out.accepted_tokens(),
         text: generation.text.clone(),
         token_ids: generation.tokens.clone(),
     }
@@ -359,7 +365,7 @@ pub fn compare(args: CompareArgs) -> anyhow::Result<()> {
             .with_context(|| format!("{} is not a bench report", path.display()))
     };
     let (first, second) = (read(&args.first)?, read(&args.second)?);
-    let differing = differing_prompts(&first, &second);
+    let differing = differing_prompts(&first.per_prompt, &second.per_prompt);
     for line in &differing {
         println!("{line}");
     }

@@ -136,6 +136,7 @@ mod tests {
             ]
             .into_iter()
             .collect(),
+            identical_to_ar: Some(0),
             per_prompt: Vec::new(),
         };
         let svg = svg(&report).unwrap();

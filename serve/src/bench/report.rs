@@ -23,7 +23,7 @@ pub struct PromptResult {
     pub prefill_seconds: f64,
     /// Target forwards, the prompt's included.
     pub target_forwards: usize,
-    /// Draft tokens the target accepted, over all steps.
+    /// Draft tokens the target accepted and that were emitted (not those cut after a stop).
     pub accepted_tokens: usize,
     pub text: String,
     pub token_ids: Vec<u32>,
@@ -168,6 +168,10 @@ pub struct BenchReport {
     pub per_depth_acceptance: Vec<f64>,
     pub overall: Comparison,
     pub per_category: BTreeMap<String, Comparison>,
+    /// Prompts whose outputs equal plain decoding's in the same run (greedy: all of them, or the
+    /// arithmetic under verification differs from decoding's); `None` without a baseline.
+    #[serde(default)]
+    pub identical_to_ar: Option<usize>,
     pub per_prompt: Vec<PromptResult>,
 }
 
@@ -218,6 +222,10 @@ pub fn report(
         per_depth_acceptance: run.depths.rates(),
         overall,
         per_category,
+        identical_to_ar: ar.map(|a| {
+            let differing = differing_prompts(&run.results, &a.results).len();
+            run.results.len().saturating_sub(differing)
+        }),
         per_prompt: run.results.clone(),
     }
 }
@@ -281,18 +289,14 @@ pub fn markdown(report: &BenchReport) -> String {
     out
 }
 
-/// Prompts (question, turn) whose token ids differ between two reports, and prompts present in
+/// Prompts (question, turn) whose token ids differ between two runs, and prompts present in
 /// only one of them.
-pub fn differing_prompts(a: &BenchReport, b: &BenchReport) -> Vec<String> {
+pub fn differing_prompts(a: &[PromptResult], b: &[PromptResult]) -> Vec<String> {
     let key = |r: &PromptResult| (r.question_id.clone(), r.turn);
-    let b_ids: BTreeMap<_, _> = b
-        .per_prompt
-        .iter()
-        .map(|r| (key(r), &r.token_ids))
-        .collect();
-    let a_keys: std::collections::BTreeSet<_> = a.per_prompt.iter().map(key).collect();
+    let b_ids: BTreeMap<_, _> = b.iter().map(|r| (key(r), &r.token_ids)).collect();
+    let a_keys: std::collections::BTreeSet<_> = a.iter().map(key).collect();
     let mut out = Vec::new();
-    for r in &a.per_prompt {
+    for r in a {
         match b_ids.get(&key(r)) {
             None => out.push(format!(
                 "question {} turn {}: only in the first run",
@@ -314,7 +318,7 @@ pub fn differing_prompts(a: &BenchReport, b: &BenchReport) -> Vec<String> {
             Some(_) => {}
         }
     }
-    for r in b.per_prompt.iter().filter(|r| !a_keys.contains(&key(r))) {
+    for r in b.iter().filter(|r| !a_keys.contains(&key(r))) {
         out.push(format!(
             "question {} turn {}: only in the second run",
             r.question_id,
@@ -338,5 +342,39 @@ mod tests {
         assert_eq!(stats.accepted, vec![2, 2, 0]);
         assert_eq!(stats.rates(), vec![2.0 / 3.0, 1.0, 0.0]);
         assert!((stats.pooled() - 4.0 / 6.0).abs() < 1e-12);
+    }
+
+    fn prompt(question: u32, token_ids: Vec<u32>) -> PromptResult {
+        PromptResult {
+            question_id: QuestionId::Number(question.into()),
+            category: "writing".into(),
+            turn: 0,
+            prompt_tokens: 3,
+            new_tokens: token_ids.len(),
+            seconds: 1.0,
+            prefill_seconds: 0.1,
+            target_forwards: 2,
+            accepted_tokens: 0,
+            text: String::new(),
+            token_ids,
+        }
+    }
+
+    #[test]
+    fn the_report_counts_prompts_identical_to_plain_decoding() {
+        let run = |second: Vec<u32>| MethodRun {
+            results: vec![prompt(1, vec![5, 6, 7]), prompt(2, second)],
+            ..MethodRun::default()
+        };
+        let (method, ar) = (run(vec![8, 9]), run(vec![8, 4]));
+        let compared = report("eagle", serde_json::json!({}), &method, Some(&ar));
+        assert_eq!(compared.identical_to_ar, Some(1));
+        let alone = report("eagle", serde_json::json!({}), &method, None);
+        assert_eq!(alone.identical_to_ar, None);
+        let differing = differing_prompts(&method.results, &ar.results);
+        assert_eq!(
+            differing,
+            ["question 2 turn 1: outputs differ from token 1"]
+        );
     }
 }
