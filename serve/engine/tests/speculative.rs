@@ -356,6 +356,28 @@ fn issue_21_greedy_output_is_unchanged_by_a_draft_of_another_lm_head_width() {
     assert!(mean("narrower") > 2.0, "τ {}", mean("narrower"));
 }
 
+/// Lossless speculative sampling of `new_tokens` after `prompt` under `params`.
+fn sampled(
+    target: &Target,
+    drafter: &mut dyn Drafter,
+    prompt: &[u32],
+    new_tokens: usize,
+    params: SamplingParams,
+) -> headway_engine::engine::SpecGeneration {
+    let mut sampler = Sampler::new(params);
+    let acceptance = Acceptance::Lossless;
+    generate_speculative(
+        target,
+        drafter,
+        prompt,
+        new_tokens,
+        acceptance,
+        &mut sampler,
+        &mut |_| true,
+    )
+    .unwrap()
+}
+
 /// Issue 21: sampled drafts from a narrower or wider LM head propose only ids the target has,
 /// from distributions over the target's width (zero past the draft's own rows), and speculative
 /// sampling runs through them. Untruncated sampling makes every row a candidate.
@@ -396,16 +418,13 @@ fn issue_21_sampled_drafts_of_another_lm_head_width_stay_in_the_target_vocabular
             }
         }
         for seed in 0..20 {
-            let out = generate_speculative(
+            let out = sampled(
                 &target,
                 &mut drafter,
                 &prompt,
                 new_tokens,
-                Acceptance::Lossless,
-                &mut Sampler::new(params.with_seed(seed)),
-                &mut |_| true,
-            )
-            .unwrap();
+                params.with_seed(seed),
+            );
             assert!(!out.generation.tokens.is_empty(), "{name} seed {seed}");
         }
     }
@@ -621,16 +640,8 @@ fn most_sampled_candidates_of_a_perturbed_copy_are_accepted() {
         let mut drafter = DraftModelDrafter::new(draft, &target, 3, capacity).unwrap();
         let (mut accepted, mut drafted) = (0, 0);
         for seed in 0..40 {
-            let out = generate_speculative(
-                &target,
-                &mut drafter,
-                &prompt,
-                new_tokens,
-                Acceptance::Lossless,
-                &mut Sampler::new(sampling().with_seed(seed)),
-                &mut |_| true,
-            )
-            .unwrap();
+            let params = sampling().with_seed(seed);
+            let out = sampled(&target, &mut drafter, &prompt, new_tokens, params);
             accepted += out.steps.iter().map(|s| s.accepted()).sum::<usize>();
             drafted += out.steps.iter().map(|s| s.tree_tokens).sum::<usize>();
         }
