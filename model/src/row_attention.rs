@@ -162,9 +162,8 @@ struct Shape {
 }
 
 impl Shape {
-    /// Computes query rows `first..end`, rows numbered over `[batch, heads, new]`. Rows of one
-    /// batch entry and key/value head are adjacent in memory and share keys, transposed once per
-    /// such run.
+    /// Computes query rows `first..end`, rows numbered over `[batch, heads, new]`, in runs of the
+    /// adjacent rows that share one batch entry's key/value head.
     ///
     /// # Safety
     /// As in [`attend`]: `pointers` address live tensors of this shape, and no other thread writes

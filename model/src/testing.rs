@@ -66,8 +66,9 @@ pub fn write_tiny_model(dir: &Path, seed: u64) -> Result<()> {
 
 /// [`write_tiny_model`] with `width` rows of embedding and (tied) LM head instead of
 /// [`TINY_VOCAB`] (at least the tokenizer's 267 ids), beside the same tokenizer: a draft and a
-/// target whose logits differ in width. Each weight is drawn row after row from a stream seeded by its name, so with the same `seed`
-/// the rows both widths have are the same and only the extra rows are new.
+/// target whose logits differ in width. Each weight is drawn row after row from a stream seeded
+/// by its name, so with the same `seed` the rows both widths have are the same and only the extra
+/// rows are new.
 pub fn write_tiny_model_with_width(dir: &Path, seed: u64, width: usize) -> Result<()> {
     std::fs::create_dir_all(dir).map_err(|e| ModelError::io(dir, e))?;
     let mut config_json = tiny_config_json();
