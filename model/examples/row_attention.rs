@@ -5,7 +5,10 @@
 //!
 //! cargo run --release -p headway-model --example row_attention
 
-use std::time::Instant;
+#[path = "shared/timing.rs"]
+mod timing;
+
+use timing::best_of;
 
 use headway_model::mask::causal_mask;
 use headway_model::row_attention::{self, KeyMask};
@@ -29,7 +32,7 @@ fn main() {
             let queries = Tensor::randn([1, 9, new, 64], options);
             let mask = causal_mask(len as usize - new as usize, new as usize, Device::Cpu);
             let given = (new > 1).then_some(&mask);
-            let ours = best_of(|| {
+            let ours = best_of(REPS, || {
                 let mask = given.map_or(KeyMask::All, KeyMask::Given);
                 for _ in 0..LAYERS {
                     let _ = row_attention::attend(&queries, &keys, &values, mask, &pool);
@@ -37,7 +40,7 @@ fn main() {
             });
             let sdpa = |threads| {
                 tch::set_num_threads(threads);
-                best_of(|| {
+                best_of(REPS, || {
                     for _ in 0..LAYERS {
                         let _ = Tensor::scaled_dot_product_attention(
                             &queries, &keys, &values, given, 0.0, false, None, true,
@@ -54,15 +57,4 @@ fn main() {
             );
         }
     }
-}
-
-/// The fastest of [`REPS`] runs, in seconds.
-fn best_of(mut run: impl FnMut()) -> f64 {
-    (0..REPS)
-        .map(|_| {
-            let start = Instant::now();
-            run();
-            start.elapsed().as_secs_f64()
-        })
-        .fold(f64::INFINITY, f64::min)
 }

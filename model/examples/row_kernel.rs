@@ -4,7 +4,10 @@
 //!
 //! cargo run --release -p headway-model --example row_kernel
 
-use std::time::Instant;
+#[path = "shared/timing.rs"]
+mod timing;
+
+use timing::best_of;
 
 use headway_model::linear::gemm_columns;
 use headway_model::row_kernel::{self, Product};
@@ -36,7 +39,7 @@ fn main() {
             in_features: IN,
             y_stride: OUT,
         };
-        let streamed = best_of(|| {
+        let streamed = best_of(REPS, || {
             for w in &weights {
                 // SAFETY: the kernel is available; x, w and y hold the sizes `product` names.
                 unsafe {
@@ -44,7 +47,7 @@ fn main() {
                 };
             }
         });
-        let packed = best_of(|| {
+        let packed = best_of(REPS, || {
             for w in &weights {
                 // SAFETY: as above.
                 unsafe { gemm_columns(x.as_ptr(), w.as_ptr(), y.as_mut_ptr(), product, 0, OUT) };
@@ -58,14 +61,4 @@ fn main() {
             bytes / packed / 1e9
         );
     }
-}
-
-fn best_of(mut run: impl FnMut()) -> f64 {
-    (0..REPS)
-        .map(|_| {
-            let start = Instant::now();
-            run();
-            start.elapsed().as_secs_f64()
-        })
-        .fold(f64::MAX, f64::min)
 }

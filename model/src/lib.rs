@@ -21,6 +21,8 @@ pub mod kv_cache;
 pub mod linear;
 pub mod llama;
 pub mod mask;
+pub mod quant;
+pub mod quant_kernel;
 pub mod row_attention;
 pub mod row_kernel;
 pub mod safetensors_io;

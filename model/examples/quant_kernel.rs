@@ -1,0 +1,57 @@
+//! Few-row products `x [rows, 576] · Wᵀ` over 30 quantised weights of 1536 × 576 (SmolLM2's MLP
+//! shape), one thread, per block format and instruction set: milliseconds, and the rate at which
+//! the quantised bytes stream (compare with the f32 row kernel: `--example row_kernel`).
+//!
+//! cargo run --release -p headway-model --example quant_kernel
+
+#[path = "shared/timing.rs"]
+mod timing;
+
+use timing::best_of;
+
+use headway_model::quant::{quantise, QuantFormat, QuantMatrix};
+use headway_model::quant_kernel::{columns, detected_isa, Isa, QuantisedRows};
+
+const OUT: usize = 1536;
+const IN: usize = 576;
+const LAYERS: usize = 30;
+const REPS: usize = 7;
+
+fn main() {
+    let isas: Vec<Isa> = match detected_isa() {
+        Isa::Vnni => vec![Isa::Avx2, Isa::Vnni],
+        isa => vec![isa],
+    };
+    for format in [QuantFormat::Q4_0, QuantFormat::Q4_1, QuantFormat::Q8_0] {
+        let weights: Vec<QuantMatrix> = (0..LAYERS)
+            .map(|l| {
+                let values: Vec<f32> = (0..OUT * IN)
+                    .map(|i| ((i * 7 + l) % 13) as f32 * 0.01 - 0.06)
+                    .collect();
+                quantise(format, &values, OUT, IN)
+            })
+            .collect();
+        let bytes = (LAYERS * weights[0].data().len()) as f64;
+        println!(
+            "{} ({:.1} MB): rows, then ms (GB/s) per instruction set {isas:?}",
+            format.name(),
+            bytes / 1e6
+        );
+        for rows in [1, 2, 4, 8, 16, 32, 64] {
+            let x: Vec<f32> = (0..rows * IN).map(|i| (i % 5) as f32 * 0.1 - 0.2).collect();
+            let mut y = vec![0f32; rows * OUT];
+            let mut line = format!("{rows:>4}");
+            for &isa in &isas {
+                let seconds = best_of(REPS, || {
+                    let quantised = QuantisedRows::new(&x, IN);
+                    for w in &weights {
+                        // SAFETY: `isa` was detected; y holds rows × OUT floats.
+                        unsafe { columns(isa, &quantised, w, y.as_mut_ptr(), OUT, 0, OUT) };
+                    }
+                });
+                line += &format!("  {:>8.2} ({:>5.1})", seconds * 1e3, bytes / seconds / 1e9);
+            }
+            println!("{line}");
+        }
+    }
+}
