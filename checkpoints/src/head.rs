@@ -38,7 +38,7 @@ pub struct LoadedHead {
 /// on `target` (fingerprint) and builds the head around the target's frozen embedding and LM head.
 pub fn load_head(path: &Path, target: &Target) -> Result<LoadedHead> {
     let checkpoint = load(path)?;
-    checkpoint.check_target(&target_fingerprint(&target.dir)?)?;
+    checkpoint.check_target(&target_fingerprint(&target.path)?)?;
     let draft_vocab = checkpoint
         .config
         .draft_vocab

@@ -102,6 +102,16 @@ impl ChatTemplate {
         Self::from_config(config, &config_path)
     }
 
+    /// The template in the text of a `tokenizer_config.json` (`origin` labels errors: a GGUF
+    /// file builds this text from its metadata); `Ok(None)` when it has none.
+    pub fn from_tokenizer_config_text(text: &str, origin: &Path) -> Result<Option<Self>> {
+        let config = serde_json::from_str(text).map_err(|source| ModelError::Json {
+            path: origin.to_path_buf(),
+            source,
+        })?;
+        Self::from_config(config, origin)
+    }
+
     /// Reads the template from a `tokenizer_config.json`; `Ok(None)` when it has none.
     pub fn from_tokenizer_config(path: &Path) -> Result<Option<Self>> {
         Self::from_config(read_tokenizer_config(path)?, path)

@@ -125,6 +125,16 @@ impl CpuPolicy {
     }
 
     /// Threads the policy runs on.
+    /// Runs `f` on the spin pool of this policy's threads: the decode pool, or for batch work a
+    /// pool of as many threads (shared by every user of that count). For products libtorch
+    /// cannot run (quantised weights).
+    pub(crate) fn with_pool<T>(&self, f: impl FnOnce(&SpinPool) -> T) -> T {
+        match self {
+            Self::Decode(threads) => f(threads.pool()),
+            Self::Batch { threads } => f(&shared_pool(*threads)),
+        }
+    }
+
     pub fn threads(&self) -> usize {
         match self {
             Self::Decode(threads) => threads.count(),

@@ -23,6 +23,13 @@ impl Dtype {
         }
     }
 
+    /// The dtype of tensors of `kind`, if it is one of these.
+    pub fn of_kind(kind: Kind) -> Option<Self> {
+        [Self::F32, Self::Bf16, Self::F16]
+            .into_iter()
+            .find(|dtype| dtype.kind() == kind)
+    }
+
     /// Bytes per element.
     pub fn bytes(self) -> usize {
         match self {

@@ -3,7 +3,8 @@
 //!
 //! The fingerprint is SHA-256 over `config.json` and every weight file, each preceded by its name
 //! and length (so moving bytes between files changes it). The directory's path is not part of
-//! it: a copied or moved target keeps its fingerprint. The tokenizer and chat template are
+//! it: a copied or moved target keeps its fingerprint. A GGUF target's fingerprint is the same
+//! hash over its one file (config, tokenizer and weights all live in it). The tokenizer and chat template are
 //! recorded separately by the consumers that depend on them.
 
 use std::io::Read;
@@ -14,12 +15,17 @@ use sha2::{Digest, Sha256};
 use crate::weights::weight_files;
 use crate::{ModelError, Result};
 
-/// `sha256:<64 hex digits>` of the target directory `dir` (see the module docs). Reads every
-/// weight byte once: about half a second for SmolLM2-135M in f32.
+/// `sha256:<64 hex digits>` of the target directory `dir` or GGUF file (see the module docs).
+/// Reads every weight byte once: about half a second for SmolLM2-135M in f32.
 pub fn target_fingerprint(dir: &Path) -> Result<String> {
     let mut hasher = Sha256::new();
-    let mut files = vec![dir.join("config.json")];
-    files.extend(weight_files(dir)?);
+    let files = if dir.is_file() {
+        vec![dir.to_path_buf()]
+    } else {
+        let mut files = vec![dir.join("config.json")];
+        files.extend(weight_files(dir)?);
+        files
+    };
     for path in &files {
         let name = path.file_name().map(|n| n.to_string_lossy().into_owned());
         hash_file(&mut hasher, path, name.as_deref().unwrap_or_default())?;

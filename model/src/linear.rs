@@ -13,69 +13,243 @@
 //! read), libtorch past its rows. Training (tensors that require grad), other dtypes and GPUs use
 //! libtorch.
 
+use std::sync::OnceLock;
+
 use tch::{Device, Kind, Tensor};
 
 use crate::cpu::CpuPolicy;
+use crate::quant::QuantMatrix;
+use crate::quant_kernel::{self, QuantisedRows};
 use crate::row_kernel::{self, Bf16, Product};
 use crate::spin_pool::SpinPool;
 
-/// A dense layer whose weight is `[out_features, in_features]` (the HF layout).
+/// A weight matrix `[out_features, in_features]` (the HF layout): a tensor, or GGUF blocks that
+/// the CPU multiplies as stored ([`crate::quant_kernel`]).
+pub enum Matrix {
+    Dense(Tensor),
+    Quantised {
+        blocks: QuantMatrix,
+        /// The dequantised values, made the first time someone asks for a tensor.
+        dense: OnceLock<Tensor>,
+    },
+}
+
+impl Matrix {
+    pub fn quantised(blocks: QuantMatrix) -> Self {
+        Self::Quantised {
+            blocks,
+            dense: OnceLock::new(),
+        }
+    }
+
+    /// The values as a tensor: the dense weight, or (made once, f32 on the CPU) the blocks'.
+    pub fn dense(&self) -> &Tensor {
+        match self {
+            Self::Dense(tensor) => tensor,
+            Self::Quantised { blocks, dense } => {
+                dense.get_or_init(|| blocks.dequantise(Kind::Float, Device::Cpu))
+            }
+        }
+    }
+
+    /// Where the values live (quantised blocks: the CPU).
+    pub fn device(&self) -> Device {
+        match self {
+            Self::Dense(tensor) => tensor.device(),
+            Self::Quantised { .. } => Device::Cpu,
+        }
+    }
+
+    /// `[rows, cols]`.
+    pub fn shape(&self) -> [i64; 2] {
+        match self {
+            Self::Dense(tensor) => {
+                let size = tensor.size();
+                [size[0], size[1]]
+            }
+            Self::Quantised { blocks, .. } => [blocks.rows() as i64, blocks.cols() as i64],
+        }
+    }
+
+    /// The same weights (shared, not copied).
+    pub fn share(&self) -> Self {
+        match self {
+            Self::Dense(tensor) => Self::Dense(tensor.shallow_clone()),
+            Self::Quantised { blocks, .. } => Self::quantised(blocks.clone()),
+        }
+    }
+
+    /// Rows `ids` (any shape) as `[.., cols]` values: an embedding lookup.
+    pub fn rows(&self, ids: &Tensor) -> Tensor {
+        match self {
+            Self::Dense(tensor) => Tensor::embedding(tensor, ids, -1, false, false),
+            Self::Quantised { blocks, .. } => {
+                let flat: Vec<i64> = Vec::try_from(ids.flatten(0, -1).to_device(Device::Cpu))
+                    .expect("token ids are integers");
+                let mut shape = ids.size();
+                shape.push(blocks.cols() as i64);
+                blocks
+                    .dequantise_rows(&flat)
+                    .view(shape.as_slice())
+                    .to_device(ids.device())
+            }
+        }
+    }
+
+    /// The rows of `parts` one after another: quantised when every part is quantised in one
+    /// format, else a dense tensor.
+    pub fn concat_rows(parts: Vec<Matrix>) -> crate::Result<Matrix> {
+        let blocks: Option<Vec<QuantMatrix>> = parts
+            .iter()
+            .map(|part| match part {
+                Self::Quantised { blocks, .. } => Some(blocks.clone()),
+                Self::Dense(_) => None,
+            })
+            .collect();
+        if let Some(joined) = blocks.as_deref().and_then(QuantMatrix::concat_rows) {
+            return Ok(Self::quantised(joined));
+        }
+        let mut dense: Vec<Tensor> = parts.iter().map(|p| p.dense().shallow_clone()).collect();
+        Ok(Self::Dense(if dense.len() == 1 {
+            dense.remove(0)
+        } else {
+            Tensor::f_cat(&dense, 0)?
+        }))
+    }
+}
+
+/// A dense layer `y = x Wᵀ + b`.
 pub struct Linear {
-    weight: Tensor,
+    weight: Matrix,
     bias: Option<Tensor>,
 }
 
 impl Linear {
     /// `weight` is made contiguous so the fast path can read it row by row.
     pub fn new(weight: Tensor, bias: Option<Tensor>) -> Self {
-        Self {
-            weight: weight.contiguous(),
-            bias,
-        }
+        Self::from_matrix(Matrix::Dense(weight), bias)
     }
 
+    pub fn from_matrix(weight: Matrix, bias: Option<Tensor>) -> Self {
+        let weight = match weight {
+            Matrix::Dense(tensor) => Matrix::Dense(tensor.contiguous()),
+            quantised => quantised,
+        };
+        Self { weight, bias }
+    }
+
+    /// The weight as a tensor (dequantised once, for quantised weights).
     pub fn weight(&self) -> &Tensor {
+        self.weight.dense()
+    }
+
+    pub fn matrix(&self) -> &Matrix {
         &self.weight
     }
 
     /// `x` is `[..., in_features]`; returns `[..., out_features]`, on Headway's kernels where
-    /// `cpu` asks for them and the tensors allow (f32 or bf16 on the CPU, no gradients), else
-    /// libtorch's.
+    /// `cpu` asks for them and the tensors allow (f32 or bf16 on the CPU, no gradients; quantised
+    /// weights always), else libtorch's.
     pub fn forward(&self, x: &Tensor, cpu: &CpuPolicy) -> Tensor {
-        let in_features = self.weight.size()[1];
-        let rows = x.numel() as i64 / in_features.max(1);
-        let kind = self.weight.kind();
-        let pool = cpu.pool().filter(|_| {
-            self.weight.device() == Device::Cpu
-                && x.kind() == kind
-                && !self.weight.requires_grad()
-                && !x.requires_grad()
-                && match kind {
-                    Kind::Float => true,
-                    // bf16 has no `gemm` path: the row kernel or libtorch.
-                    Kind::BFloat16 => streams(rows as usize),
-                    _ => false,
-                }
-        });
-        let Some(pool) = pool else {
-            return x.linear(&self.weight, self.bias.as_ref());
+        let y = match &self.weight {
+            Matrix::Dense(weight) => dense_forward(x, weight, cpu),
+            Matrix::Quantised { blocks, .. } => quantised_forward(x, blocks, cpu),
         };
-        let mut out_shape = x.size();
-        let out_features = self.weight.size()[0];
-        *out_shape.last_mut().expect("x has a feature dimension") = out_features;
-        // bf16 activations widen to f32 exactly; the product rounds back to bf16 once.
-        let x32 = x
-            .to_kind(Kind::Float)
-            .contiguous()
-            .view([rows, in_features]);
-        let y = split_gemm(&x32, &self.weight, pool)
-            .to_kind(kind)
-            .view(out_shape.as_slice());
         match &self.bias {
             Some(b) => y + b,
             None => y,
         }
     }
+}
+
+/// `x wᵀ` for a dense weight.
+fn dense_forward(x: &Tensor, weight: &Tensor, cpu: &CpuPolicy) -> Tensor {
+    let in_features = weight.size()[1];
+    let rows = x.numel() as i64 / in_features.max(1);
+    let kind = weight.kind();
+    let pool = cpu.pool().filter(|_| {
+        weight.device() == Device::Cpu
+            && x.kind() == kind
+            && !weight.requires_grad()
+            && !x.requires_grad()
+            && match kind {
+                Kind::Float => true,
+                // bf16 has no `gemm` path: the row kernel or libtorch.
+                Kind::BFloat16 => streams(rows as usize),
+                _ => false,
+            }
+    });
+    let Some(pool) = pool else {
+        return x.linear::<Tensor>(weight, None);
+    };
+    // bf16 activations widen to f32 exactly; the product rounds back to bf16 once.
+    let x32 = x
+        .to_kind(Kind::Float)
+        .contiguous()
+        .view([rows, in_features]);
+    split_gemm(&x32, weight, pool)
+        .to_kind(kind)
+        .view(output_shape(x, weight.size()[0]).as_slice())
+}
+
+/// `x`'s shape with the last dimension `out_features`.
+fn output_shape(x: &Tensor, out_features: i64) -> Vec<i64> {
+    let mut shape = x.size();
+    *shape.last_mut().expect("x has a feature dimension") = out_features;
+    shape
+}
+
+/// `x wᵀ` for quantised blocks, on the CPU threads `cpu` names; the activations are quantised
+/// first (see [`crate::quant_kernel`]), the result has `x`'s kind.
+fn quantised_forward(x: &Tensor, blocks: &QuantMatrix, cpu: &CpuPolicy) -> Tensor {
+    let x32 = x.to_device(Device::Cpu).to_kind(Kind::Float).contiguous();
+    let values: &[f32] = {
+        let len = x32.numel();
+        // SAFETY: `x32` is a contiguous f32 CPU tensor of `len` elements, alive for this function.
+        unsafe { std::slice::from_raw_parts(x32.data_ptr() as *const f32, len) }
+    };
+    let activations = QuantisedRows::new(values, blocks.cols());
+    let rows = values.len() / blocks.cols().max(1);
+    let out_features = blocks.rows();
+    let y = Tensor::empty(
+        [rows as i64, out_features as i64],
+        (Kind::Float, Device::Cpu),
+    );
+    let y_ptr = y.data_ptr() as usize;
+    let isa = quant_kernel::detected_isa();
+    cpu.with_pool(|pool| {
+        split_columns(pool, out_features, &|first, len| {
+            // SAFETY: `isa` was detected on this CPU; y holds rows × out_features floats and
+            // each part writes only its own columns.
+            unsafe {
+                quant_kernel::columns(
+                    isa,
+                    &activations,
+                    blocks,
+                    y_ptr as *mut f32,
+                    out_features,
+                    first,
+                    len,
+                )
+            }
+        })
+    });
+    y.to_kind(x.kind())
+        .to_device(x.device())
+        .view(output_shape(x, out_features as i64).as_slice())
+}
+
+/// Runs `part(first, len)` for disjoint column ranges covering `0..columns`, one per thread of
+/// `pool`.
+fn split_columns(pool: &SpinPool, columns: usize, part: &(dyn Fn(usize, usize) + Sync)) {
+    let part_len = columns.div_ceil(pool.parallelism());
+    pool.run(&|index| {
+        let first = index * part_len;
+        let len = part_len.min(columns.saturating_sub(first));
+        if len > 0 {
+            part(first, len);
+        }
+    });
 }
 
 /// Products with up to this many rows run on [`row_kernel`] (it streams the weight once; `gemm`
@@ -102,14 +276,12 @@ fn split_gemm(x: &Tensor, weight: &Tensor, pool: &SpinPool) -> Tensor {
         [rows as i64, out_features as i64],
         (Kind::Float, Device::Cpu),
     );
-    let parts = pool.parallelism();
     // Pointers cross into the pool as integers; every part writes a disjoint column range of `y`.
     let (x_ptr, w_ptr, y_ptr) = (
         x.data_ptr() as usize,
         weight.data_ptr() as usize,
         y.data_ptr() as usize,
     );
-    let part_len = out_features.div_ceil(parts);
     let streamed = streams(rows);
     let bf16 = weight.kind() == Kind::BFloat16;
     let product = Product {
@@ -117,15 +289,10 @@ fn split_gemm(x: &Tensor, weight: &Tensor, pool: &SpinPool) -> Tensor {
         in_features,
         y_stride: out_features,
     };
-    let run_part = |part: usize| {
-        let first = part * part_len;
-        let len = part_len.min(out_features.saturating_sub(first));
-        if len == 0 {
-            return;
-        }
+    let run_part = |first: usize, len: usize| {
         let (x, y) = (x_ptr as *const f32, y_ptr as *mut f32);
         // SAFETY: x, weight and y are contiguous CPU tensors of the shapes and kinds read above,
-        // alive for the whole call; part `part` reads weight rows first..first+len and writes
+        // alive for the whole call; a part reads weight rows first..first+len and writes
         // only columns first..first+len of y, so parts never overlap; the row kernel runs only
         // where it is available, and bf16 weights only reach this function where it is.
         unsafe {
@@ -141,7 +308,7 @@ fn split_gemm(x: &Tensor, weight: &Tensor, pool: &SpinPool) -> Tensor {
             gemm_columns(x, w_ptr as *const f32, y, product, first, len);
         }
     };
-    pool.run(&run_part);
+    split_columns(pool, out_features, &run_part);
     y
 }
 

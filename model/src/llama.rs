@@ -10,7 +10,7 @@ use tch::{Kind, Tensor};
 use crate::config::ModelConfig;
 use crate::cpu::CpuPolicy;
 use crate::kv_cache::KvCache;
-use crate::linear::Linear;
+use crate::linear::{Linear, Matrix};
 use crate::mask::TreeInput;
 use crate::row_attention::{self, KeyMask};
 use crate::weights::{ShapeRecorder, WeightSource};
@@ -29,7 +29,7 @@ fn fused_linear(
     let mut weights = Vec::with_capacity(parts.len());
     let mut biases = Vec::with_capacity(parts.len());
     for (part, &out) in parts.iter().zip(rows) {
-        weights.push(source.tensor(
+        weights.push(source.matrix(
             &format!("{prefix}.{part}.weight"),
             &[out as i64, in_features as i64],
         )?);
@@ -37,15 +37,12 @@ fn fused_linear(
             biases.push(source.tensor(&format!("{prefix}.{part}.bias"), &[out as i64])?);
         }
     }
-    let fuse = |mut ts: Vec<Tensor>| -> Result<Tensor> {
-        Ok(if ts.len() == 1 {
-            ts.remove(0)
-        } else {
-            Tensor::f_cat(&ts, 0)?
-        })
+    let bias = match biases.len() {
+        0 => None,
+        1 => biases.pop(),
+        _ => Some(Tensor::f_cat(&biases, 0)?),
     };
-    let bias = if with_bias { Some(fuse(biases)?) } else { None };
-    Ok(Linear::new(fuse(weights)?, bias))
+    Ok(Linear::from_matrix(Matrix::concat_rows(weights)?, bias))
 }
 
 /// RMSNorm exactly as HF computes it: statistics in f32, scale in the model dtype.
@@ -517,7 +514,7 @@ pub struct ForwardOutput {
 
 /// The decoder trunk: embeddings, layers and final norm (no LM head).
 pub struct Llama {
-    embed_tokens: Tensor,
+    embed_tokens: Matrix,
     layers: Vec<DecoderLayer>,
     norm: RmsNorm,
     rotary: Rotary,
@@ -528,7 +525,7 @@ impl Llama {
     /// Builds the trunk from `source`, reading HF names under `model.`.
     pub fn load(config: &ModelConfig, source: &mut dyn WeightSource) -> Result<Self> {
         let c = config;
-        let embed_tokens = source.tensor(
+        let embed_tokens = source.matrix(
             "model.embed_tokens.weight",
             &[c.vocab_size as i64, c.hidden_size as i64],
         )?;
@@ -549,9 +546,10 @@ impl Llama {
         &self.config
     }
 
-    /// The token embedding matrix `[vocab, hidden]` (shared with tied LM heads and draft heads).
+    /// The token embedding matrix `[vocab, hidden]` as a tensor (for draft heads; dequantised
+    /// once when the target is quantised).
     pub fn embed_tokens(&self) -> &Tensor {
-        &self.embed_tokens
+        self.embed_tokens.dense()
     }
 
     /// The final norm's weight `[hidden]`: the scale of the features the LM head reads.
@@ -569,7 +567,7 @@ impl Llama {
     ) -> Result<ForwardOutput> {
         let past = cache.as_ref().map_or(0, |c| c.len());
         self.check_input(input, past)?;
-        let x = self.embed_tokens.embedding_from(input.input_ids);
+        let x = self.embed_tokens.rows(input.input_ids);
         let rope = self.rotary.cos_sin(input.positions, x.kind());
         let mut taps: Vec<Option<Tensor>> = input.taps.iter().map(|_| None).collect();
         let x = DecoderLayer::run_stack(
@@ -666,16 +664,6 @@ fn record_tap(taps: &mut [Option<Tensor>], wanted: &[usize], layer: usize, x: &T
     }
 }
 
-trait EmbeddingExt {
-    fn embedding_from(&self, ids: &Tensor) -> Tensor;
-}
-
-impl EmbeddingExt for Tensor {
-    fn embedding_from(&self, ids: &Tensor) -> Tensor {
-        Tensor::embedding(self, ids, -1, false, false)
-    }
-}
-
 /// The output projection from final hidden states to vocabulary logits.
 pub struct LmHead {
     projection: Linear,
@@ -689,15 +677,15 @@ impl LmHead {
         source: &mut dyn WeightSource,
     ) -> Result<Self> {
         let weight = if config.tie_word_embeddings {
-            trunk.embed_tokens().shallow_clone()
+            trunk.embed_tokens.share()
         } else {
-            source.tensor(
+            source.matrix(
                 "lm_head.weight",
                 &[config.vocab_size as i64, config.hidden_size as i64],
             )?
         };
         Ok(Self {
-            projection: Linear::new(weight, None),
+            projection: Linear::from_matrix(weight, None),
         })
     }
 
@@ -709,6 +697,10 @@ impl LmHead {
 
     pub fn weight(&self) -> &Tensor {
         self.projection.weight()
+    }
+
+    pub fn matrix(&self) -> &Matrix {
+        self.projection.matrix()
     }
 }
 

@@ -11,7 +11,7 @@ use crate::cpu::CpuThreads;
 use crate::dtype::Dtype;
 use crate::llama::CausalLm;
 use crate::tokenizer::TextTokenizer;
-use crate::weights::SafetensorsWeights;
+use crate::weights::{SafetensorsWeights, WeightSource};
 use crate::{ModelError, Result};
 
 /// Name of the embedded default target's directory under [`headway_home`]`/models`.
@@ -60,8 +60,9 @@ pub fn parse_device(text: &str) -> Result<Device> {
 #[derive(Debug, Clone, clap::Args)]
 pub struct TargetArgs {
     /// Target model: an HF-style directory with config.json, model.safetensors (or an index of
-    /// shards), tokenizer.json and tokenizer_config.json. Default: the embedded
-    /// SmolLM2-135M-Instruct under $HEADWAY_HOME/models (made by `make model`).
+    /// shards), tokenizer.json and tokenizer_config.json, or a GGUF file (its Q4_0, Q4_1 and
+    /// Q8_0 matrices run as stored on the CPU). Default: the embedded SmolLM2-135M-Instruct under
+    /// $HEADWAY_HOME/models (made by `make model`).
     #[arg(long, env = "HEADWAY_TARGET")]
     pub target: Option<PathBuf>,
     /// Where to run: cpu, cuda or cuda:N.
@@ -76,22 +77,25 @@ pub struct TargetArgs {
 }
 
 impl TargetArgs {
-    /// The target directory: `--target`, else the embedded default.
-    pub fn dir(&self) -> PathBuf {
+    /// The target: `--target`, else the embedded default.
+    pub fn path(&self) -> PathBuf {
         self.target.clone().unwrap_or_else(default_target_dir)
     }
+}
 
-    /// Loads the target on `--device` in `--dtype`, on `--threads` CPU threads.
-    pub fn load(&self) -> Result<Target> {
-        let device = parse_device(&self.device)?;
-        let cpu = CpuThreads::new(self.threads);
-        Target::load(&self.dir(), self.dtype.kind(), device, cpu)
-    }
+/// What a target is made of besides its weights.
+pub struct TargetParts {
+    /// The model directory, or the GGUF file.
+    pub path: PathBuf,
+    pub config: ModelConfig,
+    pub tokenizer: TextTokenizer,
+    pub chat_template: Option<ChatTemplate>,
 }
 
 /// Everything needed to run a target: model, tokenizer, chat template, stop ids.
 pub struct Target {
-    pub dir: PathBuf,
+    /// The model directory, or the GGUF file.
+    pub path: PathBuf,
     pub model: CausalLm,
     pub tokenizer: TextTokenizer,
     /// `None` for base models without a chat template.
@@ -120,13 +124,30 @@ impl Target {
         let tokenizer = TextTokenizer::from_file(&dir.join("tokenizer.json"))?;
         let chat_template = ChatTemplate::from_dir(dir)?;
         let mut weights = SafetensorsWeights::open(dir, kind, device)?;
-        let model = tch::no_grad(|| CausalLm::load(&config, &mut weights))?;
-        let stop_ids = stop_ids(&config, &tokenizer);
-        Ok(Self {
-            dir: dir.to_path_buf(),
-            model,
+        let parts = TargetParts {
+            path: dir.to_path_buf(),
+            config,
             tokenizer,
             chat_template,
+        };
+        Self::from_parts(parts, &mut weights, kind, device, cpu)
+    }
+
+    /// A target from its parts and a source of its weights (how a GGUF file is loaded).
+    pub fn from_parts(
+        parts: TargetParts,
+        weights: &mut dyn WeightSource,
+        kind: Kind,
+        device: Device,
+        cpu: CpuThreads,
+    ) -> Result<Self> {
+        let model = tch::no_grad(|| CausalLm::load(&parts.config, weights))?;
+        let stop_ids = stop_ids(&parts.config, &parts.tokenizer);
+        Ok(Self {
+            path: parts.path,
+            model,
+            tokenizer: parts.tokenizer,
+            chat_template: parts.chat_template,
             stop_ids,
             kind,
             device,
@@ -138,7 +159,7 @@ impl Target {
     /// the directory when the model has no template.
     pub fn chat_prompt(&self, messages: &[Message]) -> Result<String> {
         let template = self.chat_template.as_ref().ok_or_else(|| {
-            ModelError::Template(format!("{} has no chat_template", self.dir.display()))
+            ModelError::Template(format!("{} has no chat_template", self.path.display()))
         })?;
         template.render(messages, true)
     }

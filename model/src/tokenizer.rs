@@ -31,6 +31,18 @@ impl TextTokenizer {
         Ok(Self { inner })
     }
 
+    /// Wraps a tokenizer built in memory (from a GGUF file's vocabulary).
+    pub fn from_tokenizer(inner: tokenizers::Tokenizer) -> Self {
+        Self { inner }
+    }
+
+    /// The tokenizer as `tokenizer.json` text.
+    pub fn to_json(&self) -> Result<String> {
+        self.inner
+            .to_string(false)
+            .map_err(|e| tokenizer_error("serialising the tokenizer", e))
+    }
+
     /// Token ids of `text`; special-token strings in `text` (e.g. `<|im_end|>`) map to their ids.
     /// `add_special_tokens` applies the tokenizer's post-processor (e.g. a BOS token).
     pub fn encode(&self, text: &str, add_special_tokens: bool) -> Result<Vec<u32>> {

@@ -14,6 +14,7 @@ use safetensors::tensor::Metadata;
 use safetensors::SafeTensors;
 use tch::{Device, Kind, Tensor};
 
+use crate::linear::Matrix;
 use crate::safetensors_io::kind_of;
 use crate::{ModelError, Result};
 
@@ -22,6 +23,12 @@ pub trait WeightSource {
     /// The tensor `name` with exactly `shape`, on the source's device and dtype; an error names the
     /// tensor when it is absent, mis-shaped or unreadable.
     fn tensor(&mut self, name: &str, shape: &[i64]) -> Result<Tensor>;
+
+    /// The weight matrix `name` of `shape` (`[out, in]`) for a [`crate::linear::Linear`] or an
+    /// embedding: quantised where the source stores it so, else [`Self::tensor`].
+    fn matrix(&mut self, name: &str, shape: &[i64]) -> Result<Matrix> {
+        Ok(Matrix::Dense(self.tensor(name, shape)?))
+    }
 }
 
 /// One memory-mapped safetensors file with its parsed (and validated) header.

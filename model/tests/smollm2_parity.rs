@@ -1,37 +1,22 @@
 //! Parity with transformers on the real SmolLM2-135M-Instruct (fixtures written by
 //! `scripts/make_fixtures.py` from the same GGUF): logits, tokenizer ids and chat rendering.
 
-use headway_model::testing::{fixture_path, real_target, real_target_dir};
+use headway_model::testing::{fixture_path, real_target, real_target_dir, reference_logits};
 use headway_model::{ChatTemplate, ForwardInput, Message, TextTokenizer, TreeInput};
 use serde::Deserialize;
-use tch::{Device, Tensor};
+use tch::Device;
 
 #[test]
 fn logits_match_transformers_within_1e_3_at_every_position() {
     let target = real_target();
     let cpu = target.cpu.decode();
-    let tensors = Tensor::read_safetensors(fixture_path("reference_logits.safetensors")).unwrap();
-    let get = |name: &str| {
-        tensors
-            .iter()
-            .find(|(n, _)| n == name)
-            .map(|(_, t)| t.shallow_clone())
-            .unwrap_or_else(|| panic!("fixture tensor {name} missing"))
-    };
-    let prompts = tensors
-        .iter()
-        .filter(|(n, _)| n.ends_with(".input_ids"))
-        .count();
-    assert!(prompts >= 3, "the fixture must hold at least 3 prompts");
+    let prompts = reference_logits();
+    assert!(
+        prompts.len() >= 3,
+        "the fixture must hold at least 3 prompts"
+    );
     let _no_grad = tch::no_grad_guard();
-    for i in 0..prompts {
-        let input_ids = get(&format!("prompt{i}.input_ids")).unsqueeze(0);
-        let expected = get(&format!("prompt{i}.logits"));
-        let ids: Vec<u32> = Vec::<i64>::try_from(input_ids.view([-1]))
-            .unwrap()
-            .iter()
-            .map(|&t| t as u32)
-            .collect();
+    for (i, (ids, expected)) in prompts.into_iter().enumerate() {
         let tokens = TreeInput::causal(0, &ids, Device::Cpu);
         let input = ForwardInput::new(&tokens, &[], &cpu);
         let hidden = target.model.model.forward(&input, None).unwrap().hidden;

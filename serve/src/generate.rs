@@ -31,7 +31,7 @@ pub struct GenerateArgs {
 
 pub fn run(args: GenerateArgs) -> anyhow::Result<()> {
     let sampling = args.sampling.params()?;
-    let target = args.target.load()?;
+    let target = headway_gguf::load_target(&args.target)?;
     let prompt = if args.chat {
         let mut messages = Vec::new();
         if let Some(system) = &args.system {

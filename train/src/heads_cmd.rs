@@ -208,12 +208,11 @@ struct Setup {
 }
 
 fn setup(args: &TargetArgs, features: &Path) -> anyhow::Result<Setup> {
-    let target = args
-        .load()
-        .with_context(|| format!("loading target {}", args.dir().display()))?;
+    let target = headway_gguf::load_target(args)
+        .with_context(|| format!("loading target {}", args.path().display()))?;
     let features = FeatureSet::open(features)?;
-    let fingerprint = target_fingerprint(&target.dir)?;
-    features.check_target(&fingerprint, &target.dir)?;
+    let fingerprint = target_fingerprint(&target.path)?;
+    features.check_target(&fingerprint, &target.path)?;
     Ok(Setup {
         target,
         features,
@@ -313,7 +312,7 @@ fn checkpoint_config(
         head,
         target: TargetRef {
             fingerprint: setup.fingerprint.clone(),
-            dir: setup.target.dir.display().to_string(),
+            dir: setup.target.path.display().to_string(),
             hidden_size: c.hidden_size,
             vocab_size: c.vocab_size,
         },

@@ -149,9 +149,8 @@ pub fn run_prepare(args: PrepareArgs, hooks: &Hooks) -> anyhow::Result<()> {
         dtype: args.target_dtype,
         threads: args.threads,
     };
-    let target = target_args
-        .load()
-        .with_context(|| format!("loading target {}", target_args.dir().display()))?;
+    let target = headway_gguf::load_target(&target_args)
+        .with_context(|| format!("loading target {}", target_args.path().display()))?;
     let options = PrepareOptions {
         data,
         format,

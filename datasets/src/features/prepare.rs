@@ -207,7 +207,7 @@ fn settings(target: &Target, options: &PrepareOptions) -> Result<Settings> {
     let template = target.chat_template.as_ref().ok_or_else(|| {
         DatasetError::Argument(format!(
             "target {} has no chat template; prepare renders conversations with it",
-            target.dir.display()
+            target.path.display()
         ))
     })?;
     let end_of_turn = end_of_turn_token(&target.tokenizer).ok_or_else(|| {
@@ -218,13 +218,13 @@ fn settings(target: &Target, options: &PrepareOptions) -> Result<Settings> {
         .len();
     Ok(Settings {
         target: TargetInfo {
-            dir: target.dir.display().to_string(),
-            fingerprint: target_fingerprint(&target.dir)?,
+            dir: target.path.display().to_string(),
+            fingerprint: target_fingerprint(&target.path)?,
             architecture: format!("{:?}", config.architecture),
             hidden_size: config.hidden_size,
             num_hidden_layers: config.num_hidden_layers,
             vocab_size: config.vocab_size,
-            tokenizer_sha256: file_sha256(&target.dir.join("tokenizer.json"))?,
+            tokenizer_sha256: tokenizer_sha256(target)?,
             chat_template_sha256: bytes_sha256(template.identity().as_bytes()),
             end_of_turn: end_of_turn.to_string(),
         },
@@ -519,5 +519,15 @@ fn assemble(
         loss_mask: Tensor::from_slice(&mask),
         hidden: cat(&|f| &f.hidden),
         taps: (0..taps).map(|k| cat(&|f| &f.taps[k])).collect(),
+    }
+}
+
+/// SHA-256 of the target's `tokenizer.json`, or for a GGUF target of the tokenizer its metadata
+/// builds (as `convert` writes it).
+fn tokenizer_sha256(target: &Target) -> headway_model::Result<String> {
+    if target.path.is_file() {
+        Ok(bytes_sha256(target.tokenizer.to_json()?.as_bytes()))
+    } else {
+        file_sha256(&target.path.join("tokenizer.json"))
     }
 }

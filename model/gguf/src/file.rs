@@ -3,7 +3,7 @@
 //! the checks and the context.
 
 use std::fs::File;
-use std::io::BufReader;
+use std::io::{BufReader, Read, Seek, SeekFrom};
 use std::path::{Path, PathBuf};
 
 use candle_core::quantized::gguf_file::{Content, TensorInfo, Value};
@@ -265,6 +265,20 @@ impl GgufFile {
             ggml_type_name(dtype),
             supported.join(", ")
         )))
+    }
+
+    /// The stored bytes of one tensor, with its type.
+    pub fn read_raw(&mut self, name: &str) -> Result<(GgmlDType, Vec<u8>)> {
+        let info = find_tensor(&self.content, &self.path, name)?;
+        let dtype = info.ggml_dtype;
+        let len = info.shape.elem_count() / dtype.block_size() * dtype.type_size();
+        let start = self.content.tensor_data_offset + info.offset;
+        let mut bytes = vec![0u8; len];
+        self.reader
+            .seek(SeekFrom::Start(start))
+            .and_then(|_| self.reader.read_exact(&mut bytes))
+            .map_err(|e| ModelError::io(&self.path, e))?;
+        Ok((dtype, bytes))
     }
 
     /// Reads and dequantises one tensor to f32.

@@ -1,6 +1,6 @@
-//! Conversion of a llama.cpp GGUF file into an HF-style model directory that the rest of Headway
-//! (and transformers) loads: `config.json`, `model.safetensors`, `tokenizer.json` and
-//! `tokenizer_config.json`.
+//! llama.cpp GGUF files: conversion into an HF-style model directory that transformers loads too
+//! (`config.json`, `model.safetensors`, `tokenizer.json` and `tokenizer_config.json`), and
+//! opening one as a target directly ([`open_target`], quantised matrices kept as stored).
 //!
 //! The reference for every output is what transformers makes of the same GGUF
 //! (`from_pretrained(dir, gguf_file=..)`): the same dequantised weights in HF names and layout,
@@ -14,6 +14,7 @@
 
 mod file;
 mod hf_config;
+mod native;
 mod tensors;
 mod tokenizer;
 
@@ -25,6 +26,8 @@ use std::io::{BufWriter, Write};
 use std::path::{Path, PathBuf};
 
 use serde::Serialize;
+
+pub use native::{load_target, open_target};
 
 use file::GgufFile;
 use headway_model::files::{write_atomically, write_bytes_atomically};

@@ -14,13 +14,13 @@ use headway_model::{ModelError, Result};
 /// Where one GGUF tensor goes and what it must look like.
 #[derive(Debug)]
 pub(super) struct TensorPlan {
-    gguf_name: String,
-    hf_name: String,
+    pub gguf_name: String,
+    pub hf_name: String,
     /// HF-order shape the metadata implies.
-    shape: Vec<usize>,
+    pub shape: Vec<usize>,
     /// Set for Q and K projections of permuted (llama-arch) files: the head count to un-permute
     /// with (query heads for Q, KV heads for K).
-    unpermute_heads: Option<usize>,
+    pub unpermute_heads: Option<usize>,
 }
 
 /// Maps every tensor of the file and checks names, shapes and types before anything is
@@ -259,40 +259,52 @@ fn encode(values: &[f32], dtype: Dtype) -> Vec<u8> {
     }
 }
 
-/// Undoes llama.cpp's rotary permutation of a Q or K projection (weight or bias).
-///
-/// llama.cpp's converter reorders each head's rows from HF's rotate-half layout (first half of the
-/// head, then second half) to interleaved pairs: `w.reshape(heads, 2, head_dim / 2, ..)
-/// .swapaxes(1, 2)`. Row `2k + j` of a GGUF head is therefore row `j * head_dim / 2 + k` of the HF
-/// head. `values` is row-major with `rows` rows.
+/// Undoes llama.cpp's rotary permutation of a Q or K projection (weight or bias) of `rows` rows,
+/// row-major: row `i` of the result is row [`rotary_row_order`]`[i]` of `values`.
 pub(super) fn unpermute_rotary_rows(
     values: &[f32],
     rows: usize,
     heads: usize,
 ) -> std::result::Result<Vec<f32>, String> {
-    if heads == 0
-        || rows == 0
-        || !rows.is_multiple_of(2 * heads)
-        || !values.len().is_multiple_of(rows)
-    {
+    let order = rotary_row_order(rows, heads)?;
+    if !values.len().is_multiple_of(rows) {
         return Err(format!(
-            "{rows} rows of {} values cannot be split into {heads} heads of rotary pairs",
+            "{} values do not split into {rows} rows",
             values.len()
         ));
     }
     let cols = values.len() / rows;
+    Ok(order
+        .iter()
+        .flat_map(|&row| &values[row * cols..(row + 1) * cols])
+        .copied()
+        .collect())
+}
+
+/// For each HF row of a Q or K projection with `heads` heads, the GGUF row it comes from.
+///
+/// llama.cpp's converter reorders each head's rows from HF's rotate-half layout (first half of the
+/// head, then second half) to interleaved pairs: `w.reshape(heads, 2, head_dim / 2, ..)
+/// .swapaxes(1, 2)`. Row `2k + j` of a GGUF head is therefore row `j * head_dim / 2 + k` of the HF
+/// head.
+pub(super) fn rotary_row_order(
+    rows: usize,
+    heads: usize,
+) -> std::result::Result<Vec<usize>, String> {
+    if heads == 0 || rows == 0 || !rows.is_multiple_of(2 * heads) {
+        return Err(format!(
+            "{rows} rows cannot be split into {heads} heads of rotary pairs"
+        ));
+    }
     let head_dim = rows / heads;
     let half = head_dim / 2;
-    let mut unpermuted = vec![0.0; values.len()];
+    let mut order = vec![0; rows];
     for head in 0..heads {
         for pair in 0..half {
             for side in 0..2 {
-                let gguf_row = head * head_dim + 2 * pair + side;
-                let hf_row = head * head_dim + side * half + pair;
-                unpermuted[hf_row * cols..(hf_row + 1) * cols]
-                    .copy_from_slice(&values[gguf_row * cols..(gguf_row + 1) * cols]);
+                order[head * head_dim + side * half + pair] = head * head_dim + 2 * pair + side;
             }
         }
     }
-    Ok(unpermuted)
+    Ok(order)
 }

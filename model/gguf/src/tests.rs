@@ -257,6 +257,15 @@ impl SyntheticGguf {
         });
     }
 
+    fn set_type(&mut self, gguf_name: &str, dtype: GgmlDType) {
+        let tensor = self
+            .tensors
+            .iter_mut()
+            .find(|t| t.gguf_name == gguf_name)
+            .expect("tensor in the model");
+        tensor.dtype = dtype;
+    }
+
     fn set_metadata(&mut self, key: &str, value: Value) {
         self.metadata.retain(|(k, _)| k != key);
         self.metadata.push((key.to_string(), value));
@@ -797,4 +806,92 @@ fn tokens_outside_the_byte_alphabet_are_respelled_from_their_utf8() {
     let alphabet = byte_alphabet();
     assert_eq!(byte_level_spelling("Ġhello", &alphabet), "Ġhello");
     assert_eq!(byte_level_spelling("日", &alphabet), "æĹ¥");
+}
+
+/// Logits of `target` for a few tokens, decoding one at a time as serving does.
+fn decoded_logits(target: &headway_model::Target) -> tch::Tensor {
+    use headway_model::{ForwardInput, KvCache, TreeInput};
+    let cpu = target.cpu.decode();
+    let mut cache =
+        KvCache::new(target.model.config(), 1, 8, target.kind, target.device).expect("cache");
+    let rows: Vec<tch::Tensor> = [5u32, 80, 200, 31, 7]
+        .iter()
+        .enumerate()
+        .map(|(at, &id)| {
+            let tokens = TreeInput::causal(at, &[id], tch::Device::Cpu);
+            let input = ForwardInput::new(&tokens, &[], &cpu);
+            let hidden = tch::no_grad(|| target.model.model.forward(&input, Some(&mut cache)))
+                .expect("forward")
+                .hidden;
+            target.model.lm_head.forward(&hidden, &cpu).flatten(0, 1)
+        })
+        .collect();
+    tch::Tensor::cat(&rows, 0)
+}
+
+/// A GGUF target opened natively keeps its Q4_0, Q4_1 and Q8_0 matrices as blocks (fused where
+/// q/k/v or gate/up share a format, dense where they do not) and computes what the converted
+/// directory computes, within the activations' 8-bit rounding. That rounding is coarse here: the
+/// rows are a single 32-value block, so its errors do not average out (4.6 % of the largest logit
+/// measured; SmolLM2's own bound is in `tests/tests/gguf_native.rs`).
+#[test]
+fn a_gguf_target_runs_its_blocks_natively_close_to_the_converted_directory() {
+    let mut model = SyntheticGguf::llama();
+    for (name, dtype) in [
+        ("blk.0.attn_q.weight", GgmlDType::Q4_1),
+        ("blk.0.attn_k.weight", GgmlDType::Q4_1),
+        ("blk.0.attn_v.weight", GgmlDType::Q4_1),
+        ("blk.0.attn_output.weight", GgmlDType::Q4_0),
+        ("blk.0.ffn_gate.weight", GgmlDType::Q4_0),
+        ("blk.0.ffn_up.weight", GgmlDType::Q4_0),
+        ("blk.0.ffn_down.weight", GgmlDType::Q8_0),
+        ("blk.1.attn_q.weight", GgmlDType::Q8_0),
+        ("blk.1.attn_k.weight", GgmlDType::Q4_0),
+        ("blk.1.ffn_gate.weight", GgmlDType::Q8_0),
+        ("blk.1.ffn_up.weight", GgmlDType::Q8_0),
+        ("blk.1.ffn_down.weight", GgmlDType::Q4_1),
+    ] {
+        model.set_type(name, dtype);
+    }
+    let (dir, path) = write_model(&model);
+    let out = dir.path().join("out");
+    convert_gguf(&path, &out, Dtype::F32).expect("convert");
+    let threads = headway_model::CpuThreads::new(2);
+    let native = crate::open_target(&path, tch::Kind::Float, tch::Device::Cpu, threads.clone())
+        .expect("open the GGUF");
+    let converted = headway_model::Target::load(&out, tch::Kind::Float, tch::Device::Cpu, threads)
+        .expect("load the converted directory");
+
+    assert!(matches!(
+        native.model.lm_head.matrix(),
+        headway_model::linear::Matrix::Quantised { .. }
+    ));
+    assert_eq!(native.path, path);
+    assert_eq!(native.stop_ids, converted.stop_ids);
+    let prompt = [headway_model::Message::new("user", "hello")];
+    assert_eq!(
+        native.chat_prompt_ids(&prompt).expect("chat prompt"),
+        converted.chat_prompt_ids(&prompt).expect("chat prompt")
+    );
+    let (got, expected) = (decoded_logits(&native), decoded_logits(&converted));
+    let scale = expected.abs().max().double_value(&[]);
+    let worst = (&got - &expected).abs().max().double_value(&[]);
+    assert!(worst > 0.0, "the quantised kernels must have run");
+    assert!(worst < 0.08 * scale, "logits off by {worst} of {scale}");
+
+    // Verifying the five tokens at once gives decoding's bits (row-count invariance).
+    let cpu = native.cpu.decode();
+    let tokens = headway_model::TreeInput::causal(0, &[5, 80, 200, 31, 7], tch::Device::Cpu);
+    let input = headway_model::ForwardInput::new(&tokens, &[], &cpu);
+    let mut cache =
+        headway_model::KvCache::new(native.model.config(), 1, 8, native.kind, native.device)
+            .expect("cache");
+    let hidden = tch::no_grad(|| native.model.model.forward(&input, Some(&mut cache)))
+        .expect("forward")
+        .hidden;
+    let together = native.model.lm_head.forward(&hidden, &cpu).flatten(0, 1);
+    assert!(
+        together.equal(&got),
+        "a 5-token forward differs from decoding"
+    );
 }

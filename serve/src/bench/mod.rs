@@ -83,7 +83,7 @@ pub fn run(args: BenchArgs) -> anyhow::Result<()> {
         0 => all,
         limit => spread(&all, limit),
     };
-    let target = args.target.load()?;
+    let target = headway_gguf::load_target(&args.target)?;
     let tuning_prompts: Vec<Vec<u32>> = tuning_questions(&questions)
         .into_iter()
         .map(|q| target.chat_prompt_ids(&[Message::new("user", &q.turns[0])]))
@@ -229,7 +229,7 @@ fn settings(
     let sampling = &options.sampling;
     let draft = &args.draft;
     serde_json::json!({
-        "target": target.dir.display().to_string(),
+        "target": target.path.display().to_string(),
         "heads": draft.heads.as_ref().map(|p| p.display().to_string()),
         "draft_model": draft.draft_model.as_ref().map(|p| p.display().to_string()),
         "device": format!("{:?}", target.device),

@@ -81,7 +81,7 @@ struct AppState {
 
 /// Runs the server until SIGTERM or Ctrl-C, then lets in-flight requests finish and returns.
 pub fn run(args: HttpArgs) -> anyhow::Result<()> {
-    let dir: PathBuf = args.target.dir();
+    let dir: PathBuf = args.target.path();
     let config = headway_model::ModelConfig::from_dir(&dir)?;
     let max_context = args
         .max_context

@@ -80,7 +80,7 @@ impl Engine {
             .name("headway-engine".into())
             .spawn(move || {
                 let setup = || -> anyhow::Result<(Target, DraftPlan)> {
-                    let target = target_args.load()?;
+                    let target = headway_gguf::load_target(&target_args)?;
                     let warm_up = target.tokenizer.encode(WARM_UP_PROMPT, true)?;
                     let (plan, tuning) = draft_args.plan(&target, &[warm_up])?;
                     if let Some(tuning) = &tuning {
@@ -103,7 +103,7 @@ impl Engine {
                     }
                 };
                 let name = target
-                    .dir
+                    .path
                     .file_name()
                     .map_or("target".into(), |n| n.to_string_lossy().into_owned());
                 let _ = ready_tx.send(Ok((name, plan.label())));

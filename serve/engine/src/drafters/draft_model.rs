@@ -50,8 +50,8 @@ impl<'m> DraftModelDrafter<'m> {
                 field: "draft model",
                 message: format!(
                     "{} has a tokenizer of {draft_vocab} tokens, the target {} one of {target_vocab}: a draft model must share the target's tokenizer",
-                    model.dir.display(),
-                    target.dir.display()
+                    model.path.display(),
+                    target.path.display()
                 ),
             });
         }

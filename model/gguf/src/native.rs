@@ -1,0 +1,154 @@
+//! A GGUF file opened as a target, without converting it: config, tokenizer and chat template
+//! from its metadata (as `convert` builds them), and its `Q4_0`, `Q4_1` and `Q8_0` matrices kept
+//! as stored, for Headway's quantised CPU kernels ([`headway_model::quant_kernel`]). Every other
+//! tensor (norms, biases, other block types) is dequantised as `convert` does. On a GPU or in
+//! another dtype than f32 every tensor is dequantised: the quantised kernels are the CPU's.
+
+use std::collections::HashMap;
+use std::path::Path;
+
+use candle_core::quantized::GgmlDType;
+use tch::{Device, Kind, Tensor};
+
+use headway_model::config::HfConfig;
+use headway_model::linear::Matrix;
+use headway_model::quant::{QuantFormat, QuantMatrix};
+use headway_model::target::{parse_device, TargetParts};
+use headway_model::{
+    ChatTemplate, CpuThreads, Dtype, ModelError, Result, Target, TargetArgs, TextTokenizer,
+    WeightSource,
+};
+
+use crate::file::GgufFile;
+use crate::hf_config::{self, GgufArchitecture};
+use crate::tensors::{self, rotary_row_order, unpermute_rotary_rows, TensorPlan};
+use crate::tokenizer;
+
+/// Loads the target `--target` names (a model directory or a GGUF file) on `--device` in
+/// `--dtype`, on `--threads` CPU threads: the one way the binaries open a target.
+pub fn load_target(args: &TargetArgs) -> Result<Target> {
+    let device = parse_device(&args.device)?;
+    open_target(
+        &args.path(),
+        args.dtype.kind(),
+        device,
+        CpuThreads::new(args.threads),
+    )
+}
+
+/// Opens `path`: a GGUF file natively, anything else as an HF model directory.
+pub fn open_target(path: &Path, kind: Kind, device: Device, cpu: CpuThreads) -> Result<Target> {
+    if !path.is_file() {
+        return Target::load(path, kind, device, cpu);
+    }
+    let dtype = Dtype::of_kind(kind).ok_or_else(|| ModelError::Config {
+        path: path.to_path_buf(),
+        message: format!("cannot run a target in {kind:?}"),
+    })?;
+    let mut file = GgufFile::open(path)?;
+    let arch = GgufArchitecture::from_file(&file)?;
+    let config_json = hf_config::build(&mut file, arch, dtype)?;
+    let tokenizer = tokenizer::build(&file, config_json.max_position_embeddings)?;
+    let plans = tensors::plan(&file, arch, &config_json)?;
+    let json_error = |source| ModelError::Json {
+        path: path.to_path_buf(),
+        source,
+    };
+    let config: HfConfig = serde_json::to_value(&config_json)
+        .and_then(serde_json::from_value)
+        .map_err(json_error)?;
+    let tokenizer_config = serde_json::to_string(&tokenizer.config).map_err(json_error)?;
+    let parts = TargetParts {
+        path: path.to_path_buf(),
+        config: config.resolve(path)?,
+        tokenizer: TextTokenizer::from_tokenizer(tokenizer.tokenizer),
+        chat_template: ChatTemplate::from_tokenizer_config_text(&tokenizer_config, path)?,
+    };
+    let mut weights = GgufWeights {
+        plans: plans.into_iter().map(|p| (p.hf_name.clone(), p)).collect(),
+        file,
+        kind,
+        device,
+        native: device == Device::Cpu && kind == Kind::Float,
+    };
+    Target::from_parts(parts, &mut weights, kind, device, cpu)
+}
+
+/// The tensors of a GGUF file by HF name.
+struct GgufWeights {
+    file: GgufFile,
+    plans: HashMap<String, TensorPlan>,
+    kind: Kind,
+    device: Device,
+    /// Whether matrices in a native format stay quantised.
+    native: bool,
+}
+
+impl GgufWeights {
+    /// The plan of `name`, checked against the `shape` the model asks for.
+    fn plan(&self, name: &str, shape: &[i64]) -> Result<&TensorPlan> {
+        let plan = self
+            .plans
+            .get(name)
+            .ok_or_else(|| ModelError::MissingWeight {
+                name: name.to_string(),
+                path: self.file.path().to_path_buf(),
+            })?;
+        if !plan
+            .shape
+            .iter()
+            .map(|&d| d as i64)
+            .eq(shape.iter().copied())
+        {
+            return Err(self.file.error(format!(
+                "tensor {} has shape {:?}, the model needs {shape:?}",
+                plan.gguf_name, plan.shape
+            )));
+        }
+        Ok(plan)
+    }
+}
+
+/// The block format Headway multiplies natively for a GGML type, if any.
+fn native_format(dtype: GgmlDType) -> Option<QuantFormat> {
+    match dtype {
+        GgmlDType::Q4_0 => Some(QuantFormat::Q4_0),
+        GgmlDType::Q4_1 => Some(QuantFormat::Q4_1),
+        GgmlDType::Q8_0 => Some(QuantFormat::Q8_0),
+        _ => None,
+    }
+}
+
+impl WeightSource for GgufWeights {
+    fn tensor(&mut self, name: &str, shape: &[i64]) -> Result<Tensor> {
+        let plan = self.plan(name, shape)?;
+        let (gguf_name, unpermute) = (plan.gguf_name.clone(), plan.unpermute_heads);
+        let dense = self.file.read_dense(&gguf_name)?;
+        let values = match unpermute {
+            Some(heads) => unpermute_rotary_rows(&dense.values, dense.shape[0], heads)
+                .map_err(|m| self.file.error(format!("tensor {gguf_name}: {m}")))?,
+            None => dense.values,
+        };
+        Ok(Tensor::from_slice(&values)
+            .view(shape)
+            .to_kind(self.kind)
+            .to_device(self.device))
+    }
+
+    fn matrix(&mut self, name: &str, shape: &[i64]) -> Result<Matrix> {
+        let plan = self.plan(name, shape)?;
+        let (gguf_name, unpermute) = (plan.gguf_name.clone(), plan.unpermute_heads);
+        let format = native_format(self.file.supported_type(&gguf_name)?);
+        let Some(format) = format.filter(|_| self.native) else {
+            return Ok(Matrix::Dense(self.tensor(name, shape)?));
+        };
+        let (_, bytes) = self.file.read_raw(&gguf_name)?;
+        let in_file = |m: String| self.file.error(format!("tensor {gguf_name}: {m}"));
+        let (rows, cols) = (shape[0] as usize, shape[1] as usize);
+        let mut blocks = QuantMatrix::new(format, rows, cols, bytes.into()).map_err(in_file)?;
+        if let Some(heads) = unpermute {
+            blocks = blocks.permute_rows(&rotary_row_order(rows, heads).map_err(in_file)?);
+        }
+        Ok(Matrix::quantised(blocks))
+    }
+}
