@@ -2,25 +2,28 @@
 //!
 //! Activations are quantised first, per row and per 32-value block, to 8-bit integers with an f32
 //! scale (`d = max|x| / 127`, `q = round(x / d)`): llama.cpp's `Q8` activation format, but with
-//! an f32 rather than f16 scale. Each block product is then an exact integer dot product (four
-//! adjacent byte products summed into each of 8 i32 lanes), scaled by `d_w · d_x` and accumulated
-//! in f32 lanes; `Q4_1`'s minimum adds `m_w · d_x Σq_x`, eight blocks per FMA, in a second set
-//! of lanes. The result
-//! differs from the f32 product of the dequantised weights by the activations' rounding (a
-//! relative error of about 0.3 % per block, which averages out over a row; the parity tests
-//! state the bound).
+//! an f32 rather than f16 scale. Each block product is an exact integer dot product; eight
+//! blocks' integers are reduced to one vector (lane `j` block `j` of the eight), converted and
+//! multiplied by the eight scales `d_w · d_x` in one FMA; `Q4_1`'s minimum adds `m_w · d_x Σq_x`
+//! in a second FMA on the same lanes. The result differs from the f32 product of the dequantised
+//! weights by the activations' rounding (a relative error of about 0.3 % per block, which
+//! averages out over a row; the parity tests state the bound).
 //!
 //! Every output `y[r][o]` runs the same operations in the same order whatever the number of rows
-//! beside it, the thread split, or the instruction set: the integer lanes are exact, so AVX2's
-//! `maddubs`+`madd` and AVX-512 VNNI's `dpbusd` give the same integers, and the float sequence
-//! (per block one FMA per lane, a fixed horizontal sum, the minimum's lanes summed and added last)
-//! is fixed. The
-//! portable fallback [`reference_dot`] replays that sequence lane by lane and is bit-identical, which
-//! the tests check.
+//! beside it, the thread split, or the instruction set: the integer sums are exact, so AVX2's
+//! `maddubs`+`madd` and AVX-512 VNNI's `dpbusd`, and any order of reducing them, give the same
+//! integers, and the float sequence (per eight blocks one or two FMAs per lane, then a fixed
+//! horizontal sum) is fixed. The portable fallback [`reference_dot`] replays that sequence lane by
+//! lane and is bit-identical, which the tests check.
+//!
+//! Why eight blocks per vector: the scales of a block are scalars, and scaling each block's eight
+//! partial sums on its own (one conversion, a scalar product, a broadcast and an FMA per block)
+//! made the kernel compute-bound at about twice the instructions per block.
 
 use crate::quant::{f16_at, QuantFormat, QuantMatrix, BLOCK};
 
-/// Lanes of the f32 accumulator and the integer sums: 8 (one AVX2 register).
+/// Lanes of the f32 accumulator and the integer sums: 8 (one AVX2 register), also the blocks
+/// whose scales one vector holds.
 const LANES: usize = 8;
 
 /// Activation rows quantised to 8 bits per 32-value block.
@@ -28,24 +31,28 @@ pub struct QuantisedRows {
     cols: usize,
     /// `rows × cols` quantised values.
     q: Vec<i8>,
-    /// Per block: the scale `d`.
+    /// Per block, each row padded with zeros to a whole number of [`LANES`] blocks (so that
+    /// eight blocks load as one vector): the scale `d`,
     d: Vec<f32>,
-    /// Per block: `d · Σq`, what a weight minimum (`Q4_1`) multiplies; each row padded with
-    /// zeros to a whole number of [`LANES`] blocks, so that eight blocks load as one vector.
+    /// `d · Σq`, what a weight minimum (`Q4_1`) multiplies,
     sum: Vec<f32>,
+    /// and `Σq` (`Q4_0`'s offset of 8 subtracts `8 Σq` from the unsigned weights' product).
+    q_sum: Vec<i32>,
 }
 
 impl QuantisedRows {
     /// Quantises `x`, `rows × cols` floats (`cols` a multiple of 32).
     pub fn new(x: &[f32], cols: usize) -> Self {
         assert!(cols.is_multiple_of(BLOCK), "rows of whole blocks");
-        let blocks = x.len() / BLOCK;
-        let sum_stride = sum_stride(cols / BLOCK);
+        let blocks_per_row = cols / BLOCK;
+        let stride = padded_blocks(blocks_per_row);
+        let padded = x.len() / cols.max(1) * stride;
         let mut rows = Self {
             cols,
             q: vec![0; x.len()],
-            d: Vec::with_capacity(blocks),
-            sum: vec![0.0; blocks / (cols / BLOCK).max(1) * sum_stride],
+            d: vec![0.0; padded],
+            sum: vec![0.0; padded],
+            q_sum: vec![0; padded],
         };
         for (at, (values, q)) in x
             .chunks_exact(BLOCK)
@@ -60,9 +67,10 @@ impl QuantisedRows {
                 *q = (value * inverse).round() as i8;
                 total += i32::from(*q);
             }
-            rows.d.push(d);
-            let (row, block) = (at / (cols / BLOCK), at % (cols / BLOCK));
-            rows.sum[row * sum_stride + block] = d * total as f32;
+            let padded_at = at / blocks_per_row * stride + at % blocks_per_row;
+            rows.d[padded_at] = d;
+            rows.sum[padded_at] = d * total as f32;
+            rows.q_sum[padded_at] = total;
         }
         rows
     }
@@ -72,8 +80,9 @@ impl QuantisedRows {
     }
 }
 
-/// Entries per row of [`QuantisedRows::sum`]: the blocks rounded up to whole vectors.
-fn sum_stride(blocks: usize) -> usize {
+/// Entries per row of the per-block vectors of [`QuantisedRows`]: the blocks rounded up to whole
+/// vectors.
+fn padded_blocks(blocks: usize) -> usize {
     blocks.div_ceil(LANES) * LANES
 }
 
@@ -218,34 +227,31 @@ pub fn reference_dot(w: &QuantMatrix, column: usize, x: &QuantisedRows, row: usi
     let format = w.format();
     let block_bytes = format.block_bytes();
     let w_row = &w.data()[column * w.row_bytes()..(column + 1) * w.row_bytes()];
-    let mut lanes = [0f32; LANES];
-    let mut minimum_lanes = [0f32; LANES];
-    let mut minimums = [0f32; LANES];
     let blocks = x.blocks_per_row();
-    for b in 0..blocks {
-        let block = &w_row[b * block_bytes..(b + 1) * block_bytes];
-        let weights = block_values(format, block);
-        let at = row * x.blocks_per_row() + b;
-        let xq = &x.q[at * BLOCK..(at + 1) * BLOCK];
-        let scale = f16_at(block, 0) * x.d[at];
+    let mut lanes = [0f32; LANES];
+    for group in (0..blocks).step_by(LANES) {
         for (lane, acc) in lanes.iter_mut().enumerate() {
-            let ints: i32 = (lane * 4..lane * 4 + 4)
-                .map(|e| i32::from(weights[e]) * i32::from(xq[e]))
-                .sum();
-            *acc = (ints as f32).mul_add(scale, *acc);
-        }
-        if format == QuantFormat::Q4_1 {
-            minimums[b % LANES] = f16_at(block, 2);
-            if b % LANES == LANES - 1 || b + 1 == blocks {
-                let sums = &x.sum[row * sum_stride(blocks) + b / LANES * LANES..];
-                for (lane, acc) in minimum_lanes.iter_mut().enumerate() {
-                    *acc = minimums[lane].mul_add(sums[lane], *acc);
+            let (b, at) = (group + lane, row * padded_blocks(blocks) + group + lane);
+            // Lanes past the last block hold zeros, and run the same FMAs.
+            let (total, d_w, m_w) = match w_row.get(b * block_bytes..(b + 1) * block_bytes) {
+                Some(block) => {
+                    let xq = &x.q[(row * blocks + b) * BLOCK..][..BLOCK];
+                    let total: i32 = block_values(format, block)
+                        .iter()
+                        .zip(xq)
+                        .map(|(&w, &x)| i32::from(w) * i32::from(x))
+                        .sum();
+                    (total, f16_at(block, 0), f16_at(block, 2))
                 }
-                minimums = [0.0; LANES];
+                None => (0, 0.0, 0.0),
+            };
+            *acc = (total as f32).mul_add(d_w * x.d[at], *acc);
+            if format == QuantFormat::Q4_1 {
+                *acc = m_w.mul_add(x.sum[at], *acc);
             }
         }
     }
-    horizontal_sum(lanes) + horizontal_sum(minimum_lanes)
+    horizontal_sum(lanes)
 }
 
 /// The order `simd::horizontal_sum` adds 8 lanes in: halves, then pairs, then the last two.
@@ -259,7 +265,7 @@ fn horizontal_sum(l: [f32; LANES]) -> f32 {
 mod simd {
     use std::arch::x86_64::*;
 
-    use super::{sum_stride, QuantisedRows, Tile, BLOCK, LANES};
+    use super::{padded_blocks, QuantisedRows, Tile, BLOCK, LANES};
     use crate::quant::{QuantFormat, QuantMatrix};
 
     /// The kernel for one instruction set: `$dot4` sums four adjacent products of unsigned and
@@ -267,7 +273,7 @@ mod simd {
     macro_rules! tile_kernel {
         ($name:ident, $features:literal, $dot4:ident) => {
             #[target_feature(enable = $features)]
-            pub(super) unsafe fn $name<const FORMAT: u8, const R: usize>(
+            pub(crate) unsafe fn $name<const FORMAT: u8, const R: usize>(
                 tile: Tile,
                 x: &QuantisedRows,
                 w: &QuantMatrix,
@@ -277,59 +283,121 @@ mod simd {
                 let block_bytes = format.block_bytes();
                 let w_row = w.data().as_ptr().add(tile.column * w.row_bytes());
                 let blocks = x.blocks_per_row();
-                let x_first = tile.row * blocks;
+                let stride = padded_blocks(blocks);
+                let lane_ids = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+                let offsets = _mm256_mullo_epi32(lane_ids, _mm256_set1_epi32(block_bytes as i32));
                 let mut acc = [_mm256_setzero_ps(); R];
-                let mut minimum_lanes = [_mm256_setzero_ps(); R];
-                // The minimums of the current run of 8 blocks (zeros past the last block).
-                let mut minimums = [0f32; LANES];
-                let sum_stride = sum_stride(blocks);
-                for b in 0..blocks {
-                    let block = w_row.add(b * block_bytes);
-                    let d_w = f16(block);
-                    // Unsigned weight bytes and, for signed formats, the sign moved onto x.
-                    let (weights, signs) = match format {
-                        QuantFormat::Q4_1 => (nibbles(block.add(4)), None),
-                        QuantFormat::Q4_0 => {
-                            let signed =
-                                _mm256_sub_epi8(nibbles(block.add(2)), _mm256_set1_epi8(8));
-                            (_mm256_sign_epi8(signed, signed), Some(signed))
-                        }
-                        QuantFormat::Q8_0 => {
-                            let signed = _mm256_loadu_si256(block.add(2) as *const __m256i);
-                            (_mm256_sign_epi8(signed, signed), Some(signed))
-                        }
-                    };
-                    for r in 0..R {
-                        let at = x_first + r * blocks + b;
-                        let mut xv =
-                            _mm256_loadu_si256(x.q.as_ptr().add(at * BLOCK) as *const __m256i);
-                        if let Some(signs) = signs {
-                            xv = _mm256_sign_epi8(xv, signs);
-                        }
-                        let ints = $dot4(weights, xv);
-                        let scale = _mm256_set1_ps(d_w * *x.d.get_unchecked(at));
-                        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(ints), scale, acc[r]);
-                    }
-                    if format == QuantFormat::Q4_1 {
-                        minimums[b % LANES] = f16(block.add(2));
-                        if b % LANES == LANES - 1 || b + 1 == blocks {
-                            let m = _mm256_loadu_ps(minimums.as_ptr());
+                for group in (0..blocks).step_by(LANES) {
+                    let count = (blocks - group).min(LANES);
+                    let first = w_row.add(group * block_bytes);
+                    // Lane j: block j's exact integer product with each row (four blocks per
+                    // half; a group of up to four leaves the upper half zero).
+                    let mut halves = [[_mm_setzero_si128(); 2]; R];
+                    for quad in 0..count.div_ceil(4) {
+                        let mut pairs = [[_mm256_setzero_si256(); 2]; R];
+                        for (pair, offset) in [(0, 0), (1, 2)] {
+                            let j = quad * 4 + offset;
+                            let a =
+                                block_products::<FORMAT, R>(first, j, count, x, tile.row, group);
+                            let b = block_products::<FORMAT, R>(
+                                first,
+                                j + 1,
+                                count,
+                                x,
+                                tile.row,
+                                group,
+                            );
                             for r in 0..R {
-                                let at = (tile.row + r) * sum_stride + b / LANES * LANES;
-                                let sums = _mm256_loadu_ps(x.sum.as_ptr().add(at));
-                                minimum_lanes[r] = _mm256_fmadd_ps(m, sums, minimum_lanes[r]);
+                                pairs[r][pair] = _mm256_hadd_epi32(a[r], b[r]);
                             }
-                            minimums = [0.0; LANES];
+                        }
+                        for r in 0..R {
+                            let four = _mm256_hadd_epi32(pairs[r][0], pairs[r][1]);
+                            halves[r][quad] = _mm_add_epi32(
+                                _mm256_castsi256_si128(four),
+                                _mm256_extracti128_si256(four, 1),
+                            );
+                        }
+                    }
+                    let valid = _mm256_cmpgt_epi32(_mm256_set1_epi32(count as i32), lane_ids);
+                    // Each block's first four bytes: `d` (and `Q4_1`'s `m`).
+                    let words = _mm256_mask_i32gather_epi32(
+                        _mm256_setzero_si256(),
+                        first as *const i32,
+                        offsets,
+                        valid,
+                        1,
+                    );
+                    let d_w = f16_lanes(_mm256_and_si256(words, _mm256_set1_epi32(0xffff)));
+                    for r in 0..R {
+                        let at = (tile.row + r) * stride + group;
+                        let mut ints = _mm256_set_m128i(halves[r][1], halves[r][0]);
+                        if format == QuantFormat::Q4_0 {
+                            let q_sum =
+                                _mm256_loadu_si256(x.q_sum.as_ptr().add(at) as *const __m256i);
+                            ints = _mm256_sub_epi32(ints, _mm256_slli_epi32(q_sum, 3));
+                        }
+                        let scale = _mm256_mul_ps(d_w, _mm256_loadu_ps(x.d.as_ptr().add(at)));
+                        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(ints), scale, acc[r]);
+                        if format == QuantFormat::Q4_1 {
+                            let m_w = f16_lanes(_mm256_srli_epi32(words, 16));
+                            let sums = _mm256_loadu_ps(x.sum.as_ptr().add(at));
+                            acc[r] = _mm256_fmadd_ps(m_w, sums, acc[r]);
                         }
                     }
                 }
-                std::array::from_fn(|r| horizontal_sum(acc[r]) + horizontal_sum(minimum_lanes[r]))
+                std::array::from_fn(|r| horizontal_sum(acc[r]))
+            }
+
+            /// Block `j` of the group at `first`: its integer products with rows
+            /// `row..row + R` in 8 lanes (zeros past `count`); `Q4_0`'s weights unsigned
+            /// (0..15, the offset subtracted per group).
+            #[target_feature(enable = $features)]
+            #[inline]
+            unsafe fn block_products<const FORMAT: u8, const R: usize>(
+                first: *const u8,
+                j: usize,
+                count: usize,
+                x: &QuantisedRows,
+                row: usize,
+                group: usize,
+            ) -> [__m256i; R] {
+                let format = QuantFormat::from_code(FORMAT);
+                if j >= count {
+                    return [_mm256_setzero_si256(); R];
+                }
+                let block = first.add(j * format.block_bytes());
+                let (weights, signs) = match format {
+                    QuantFormat::Q4_1 => (nibbles(block.add(4)), None),
+                    QuantFormat::Q4_0 => (nibbles(block.add(2)), None),
+                    QuantFormat::Q8_0 => {
+                        let signed = _mm256_loadu_si256(block.add(2) as *const __m256i);
+                        (_mm256_sign_epi8(signed, signed), Some(signed))
+                    }
+                };
+                let blocks = x.blocks_per_row();
+                std::array::from_fn(|r| {
+                    let at = (row + r) * blocks + group + j;
+                    let mut xv = _mm256_loadu_si256(x.q.as_ptr().add(at * BLOCK) as *const __m256i);
+                    if let Some(signs) = signs {
+                        xv = _mm256_sign_epi8(xv, signs);
+                    }
+                    $dot4(weights, xv)
+                })
             }
         };
     }
 
-    tile_kernel!(tile_avx2, "avx2,fma,f16c", dot4_avx2);
-    tile_kernel!(tile_vnni, "avx2,fma,f16c,avx512vnni,avx512vl", dot4_vnni);
+    mod avx2 {
+        use super::*;
+        tile_kernel!(tile, "avx2,fma,f16c", dot4_avx2);
+    }
+    mod vnni {
+        use super::*;
+        tile_kernel!(tile, "avx2,fma,f16c,avx512vnni,avx512vl", dot4_vnni);
+    }
+    pub(super) use avx2::tile as tile_avx2;
+    pub(super) use vnni::tile as tile_vnni;
 
     #[inline]
     #[target_feature(enable = "avx2")]
@@ -354,11 +422,14 @@ mod simd {
         _mm256_set_m128i(high, low)
     }
 
+    /// The f16 bit patterns in the low 16 bits of each i32 lane (the rest zero) as f32 lanes.
     #[inline]
-    #[target_feature(enable = "f16c")]
-    unsafe fn f16(at: *const u8) -> f32 {
-        let bits = u16::from_le_bytes([*at, *at.add(1)]);
-        _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(i32::from(bits))))
+    #[target_feature(enable = "avx2,f16c")]
+    unsafe fn f16_lanes(bits: __m256i) -> __m256 {
+        // Lanes 0-3 and 4-7 packed into the low quadword of each half, then the halves joined.
+        let packed = _mm256_packus_epi32(bits, bits);
+        let ordered = _mm256_permute4x64_epi64(packed, 0b00_00_10_00);
+        _mm256_cvtph_ps(_mm256_castsi256_si128(ordered))
     }
 
     #[inline]
@@ -399,8 +470,9 @@ mod tests {
     /// verified tree and past the kernels' blocks (64 weight rows, 4 activation rows).
     #[test]
     fn every_instruction_set_and_row_count_gives_the_same_bits() {
-        for format in FORMATS {
-            let (out, cols) = (131, 96);
+        // 3 blocks per row (one partial group of eight) and 11 (a whole group and a partial one).
+        for (format, cols) in FORMATS.into_iter().flat_map(|f| [(f, 96), (f, 352)]) {
+            let out = 131;
             let w = quantise(format, &random(out * cols, 1), out, cols);
             let rows = 65;
             let xs = random(rows * cols, 2);
@@ -413,14 +485,14 @@ mod tests {
                 assert_eq!(
                     product(isa, &all, &w, rows),
                     reference,
-                    "{format:?} {isa:?}"
+                    "{format:?} {isa:?}, {cols} columns"
                 );
                 for count in [1, 2, 3, 5, 17] {
                     let some = QuantisedRows::new(&xs[..count * cols], cols);
                     assert_eq!(
                         product(isa, &some, &w, count),
                         reference[..count * out],
-                        "{format:?} {isa:?} {count} rows"
+                        "{format:?} {isa:?} {count} rows, {cols} columns"
                     );
                 }
             }
@@ -455,6 +527,6 @@ mod tests {
     fn activation_blocks_of_zeros_quantise_to_zero() {
         let rows = QuantisedRows::new(&[0.0; 64], 64);
         assert!(rows.q.iter().all(|&q| q == 0));
-        assert_eq!(rows.d, [0.0, 0.0]);
+        assert!(rows.d.iter().all(|&d| d == 0.0));
     }
 }
