@@ -147,6 +147,49 @@ impl Linear {
         &self.weight
     }
 
+    /// Whether [`Self::forward_rows`] runs this layer: quantised blocks, or an f32 CPU weight the
+    /// row kernel streams; no gradients.
+    pub(crate) fn runs_rows(&self) -> bool {
+        let cpu_f32 =
+            |t: &Tensor| t.kind() == Kind::Float && t.device() == Device::Cpu && !t.requires_grad();
+        let weight = match &self.weight {
+            Matrix::Dense(weight) => cpu_f32(weight) && row_kernel::available(),
+            Matrix::Quantised { .. } => true,
+        };
+        weight
+            && self
+                .bias
+                .as_ref()
+                .is_none_or(|b| cpu_f32(b) && b.is_contiguous())
+    }
+
+    /// `y = x Wᵀ + b` for `x` of up to [`ROW_KERNEL_MAX_ROWS`] whole rows of f32 features, into
+    /// `y` (rows × out_features), on `pool`: the kernels, and so the bits, of [`Self::forward`].
+    /// Only where [`Self::runs_rows`] holds.
+    pub(crate) fn forward_rows(&self, x: &[f32], y: &mut [f32], pool: &SpinPool) {
+        match &self.weight {
+            Matrix::Dense(weight) => {
+                assert!(
+                    streams(x.len() / weight.size()[1].max(1) as usize),
+                    "few rows"
+                );
+                dense_into(x, weight, y, pool);
+            }
+            Matrix::Quantised { blocks, .. } => quantised_into(x, blocks, y, pool),
+        }
+        if let Some(bias) = &self.bias {
+            let bias = f32_slice(bias);
+            for row in y.chunks_exact_mut(bias.len()) {
+                row.iter_mut().zip(bias).for_each(|(y, b)| *y += b);
+            }
+        }
+    }
+
+    /// Output features.
+    pub(crate) fn out_features(&self) -> usize {
+        self.weight.shape()[0] as usize
+    }
+
     /// `x` is `[..., in_features]`; returns `[..., out_features]`, on Headway's kernels where
     /// `cpu` asks for them and the tensors allow (f32 or bf16 on the CPU, no gradients; quantised
     /// weights always), else libtorch's.
@@ -203,40 +246,63 @@ fn output_shape(x: &Tensor, out_features: i64) -> Vec<i64> {
 /// first (see [`crate::quant_kernel`]), the result has `x`'s kind.
 fn quantised_forward(x: &Tensor, blocks: &QuantMatrix, cpu: &CpuPolicy) -> Tensor {
     let x32 = x.to_device(Device::Cpu).to_kind(Kind::Float).contiguous();
-    let values: &[f32] = {
-        let len = x32.numel();
-        // SAFETY: `x32` is a contiguous f32 CPU tensor of `len` elements, alive for this function.
-        unsafe { std::slice::from_raw_parts(x32.data_ptr() as *const f32, len) }
-    };
-    let activations = QuantisedRows::new(values, blocks.cols());
-    let rows = values.len() / blocks.cols().max(1);
+    let rows = x32.numel() / blocks.cols().max(1);
     let out_features = blocks.rows();
-    let y = Tensor::empty(
+    let mut y = Tensor::empty(
         [rows as i64, out_features as i64],
         (Kind::Float, Device::Cpu),
     );
-    let y_ptr = y.data_ptr() as usize;
-    let isa = quant_kernel::detected_isa();
-    cpu.with_pool(|pool| {
-        split_columns(pool, out_features, &|first, len| {
-            // SAFETY: `isa` was detected on this CPU; y holds rows × out_features floats and
-            // each part writes only its own columns.
-            unsafe {
-                quant_kernel::columns(
-                    isa,
-                    &activations,
-                    blocks,
-                    y_ptr as *mut f32,
-                    out_features,
-                    first,
-                    len,
-                )
-            }
-        })
-    });
+    cpu.with_pool(|pool| quantised_into(f32_slice(&x32), blocks, f32_slice_mut(&mut y), pool));
     y.to_kind(x.kind())
         .to_device(x.device())
         .view(output_shape(x, out_features as i64).as_slice())
+}
+
+/// `y = x wᵀ` for `x` of whole rows of `blocks.cols()` floats, output features split between
+/// `pool`'s threads.
+fn quantised_into(x: &[f32], blocks: &QuantMatrix, y: &mut [f32], pool: &SpinPool) {
+    let activations = QuantisedRows::new(x, blocks.cols());
+    let out_features = blocks.rows();
+    assert_eq!(
+        y.len(),
+        x.len() / blocks.cols().max(1) * out_features,
+        "output size"
+    );
+    let y_ptr = y.as_mut_ptr() as usize;
+    let isa = quant_kernel::detected_isa();
+    split_columns(pool, out_features, &|first, len| {
+        // SAFETY: `isa` was detected on this CPU; y holds rows × out_features floats and
+        // each part writes only its own columns.
+        unsafe {
+            quant_kernel::columns(
+                isa,
+                &activations,
+                blocks,
+                y_ptr as *mut f32,
+                out_features,
+                first,
+                len,
+            )
+        }
+    });
+}
+
+/// The values of a contiguous f32 CPU tensor.
+pub(crate) fn f32_slice(t: &Tensor) -> &[f32] {
+    assert!(
+        t.kind() == Kind::Float && t.device() == Device::Cpu && t.is_contiguous(),
+        "a contiguous f32 CPU tensor"
+    );
+    // SAFETY: checked above: `numel` contiguous floats, borrowed for as long as `t`.
+    unsafe { std::slice::from_raw_parts(t.data_ptr() as *const f32, t.numel()) }
+}
+
+/// The values of a contiguous f32 CPU tensor, to write.
+pub(crate) fn f32_slice_mut(t: &mut Tensor) -> &mut [f32] {
+    let len = f32_slice(t).len();
+    // SAFETY: as in `f32_slice`; the exclusive borrow of `t` makes this the only view through
+    // this handle.
+    unsafe { std::slice::from_raw_parts_mut(t.data_ptr() as *mut f32, len) }
 }
 
 /// Runs `part(first, len)` for disjoint column ranges covering `0..columns`, one per thread of
@@ -270,17 +336,27 @@ fn streams(rows: usize) -> bool {
 /// `x [rows, in] · wᵀ` for a contiguous f32 `x` and an f32 or bf16 `weight` on the CPU (bf16
 /// only where [`streams`]), output features split between `pool`'s threads; f32 result.
 fn split_gemm(x: &Tensor, weight: &Tensor, pool: &SpinPool) -> Tensor {
-    let (rows, in_features) = (x.size()[0] as usize, x.size()[1] as usize);
-    let out_features = weight.size()[0] as usize;
-    let y = Tensor::empty(
-        [rows as i64, out_features as i64],
-        (Kind::Float, Device::Cpu),
+    let rows = x.size()[0];
+    let mut y = Tensor::empty([rows, weight.size()[0]], (Kind::Float, Device::Cpu));
+    dense_into(f32_slice(x), weight, f32_slice_mut(&mut y), pool);
+    y
+}
+
+/// `y = x wᵀ` for `x` of whole rows of `in_features` floats and a contiguous f32 or bf16 CPU
+/// `weight` (bf16 only where [`streams`]), output features split between `pool`'s threads.
+fn dense_into(x: &[f32], weight: &Tensor, y: &mut [f32], pool: &SpinPool) {
+    let (out_features, in_features) = (weight.size()[0] as usize, weight.size()[1] as usize);
+    let rows = x.len() / in_features.max(1);
+    assert!(
+        weight.device() == Device::Cpu && weight.is_contiguous(),
+        "a contiguous CPU weight"
     );
+    assert_eq!(y.len(), rows * out_features, "output size");
     // Pointers cross into the pool as integers; every part writes a disjoint column range of `y`.
     let (x_ptr, w_ptr, y_ptr) = (
-        x.data_ptr() as usize,
+        x.as_ptr() as usize,
         weight.data_ptr() as usize,
-        y.data_ptr() as usize,
+        y.as_mut_ptr() as usize,
     );
     let streamed = streams(rows);
     let bf16 = weight.kind() == Kind::BFloat16;
@@ -291,10 +367,10 @@ fn split_gemm(x: &Tensor, weight: &Tensor, pool: &SpinPool) -> Tensor {
     };
     let run_part = |first: usize, len: usize| {
         let (x, y) = (x_ptr as *const f32, y_ptr as *mut f32);
-        // SAFETY: x, weight and y are contiguous CPU tensors of the shapes and kinds read above,
-        // alive for the whole call; a part reads weight rows first..first+len and writes
-        // only columns first..first+len of y, so parts never overlap; the row kernel runs only
-        // where it is available, and bf16 weights only reach this function where it is.
+        // SAFETY: x, weight and y hold the shapes and kinds read above, alive for the whole
+        // call; a part reads weight rows first..first+len and writes only columns
+        // first..first+len of y, so parts never overlap; the row kernel runs only where it is
+        // available, and bf16 weights only reach this function where it is.
         unsafe {
             #[cfg(target_arch = "x86_64")]
             if streamed {
@@ -309,7 +385,6 @@ fn split_gemm(x: &Tensor, weight: &Tensor, pool: &SpinPool) -> Tensor {
         }
     };
     split_columns(pool, out_features, &run_part);
-    y
 }
 
 /// Columns `first..first + len` of `y = x wᵀ` with the `gemm` crate (which packs `w` first).

@@ -16,6 +16,8 @@ use crate::row_attention::{self, KeyMask};
 use crate::weights::{ShapeRecorder, WeightSource};
 use crate::{ModelError, Result};
 
+mod rows;
+
 /// Loads `{prefix}.{part}.weight` (and `.bias` when `with_bias`) for each part and stacks them
 /// along the output dimension; `rows[i]` is part `i`'s output size.
 fn fused_linear(
@@ -191,12 +193,7 @@ impl Attention {
         };
         let attended = match ctx.cpu.pool() {
             Some(pool) if row_attention::applies(&queries, &keys) => {
-                let mask = match (ctx.mask, ctx.is_causal) {
-                    (Some(mask), _) => KeyMask::Given(mask),
-                    (None, true) => KeyMask::Causal,
-                    (None, false) => KeyMask::All,
-                };
-                row_attention::attend(&queries, &keys, &values, mask, pool)
+                row_attention::attend(&queries, &keys, &values, ctx.key_mask(), pool)
             }
             _ => Tensor::scaled_dot_product_attention(
                 &queries,
@@ -315,6 +312,17 @@ struct LayerContext<'a> {
     mask: Option<&'a Tensor>,
     is_causal: bool,
     cpu: &'a CpuPolicy,
+}
+
+impl LayerContext<'_> {
+    /// The keys each new token may attend to, as row attention reads them.
+    fn key_mask(&self) -> KeyMask<'_> {
+        match (self.mask, self.is_causal) {
+            (Some(mask), _) => KeyMask::Given(mask),
+            (None, true) => KeyMask::Causal,
+            (None, false) => KeyMask::All,
+        }
+    }
 }
 
 impl DecoderLayer {
@@ -464,7 +472,16 @@ impl DecoderLayer {
         Ok(x)
     }
 
+    /// The layer on [`Self::forward_rows`] where it runs, else on libtorch's ops.
     fn forward(&self, x: &Tensor, rope: &(Tensor, Tensor), ctx: &mut LayerContext) -> Tensor {
+        if self.runs_rows(x, rope, ctx) {
+            self.forward_rows(x, rope, ctx)
+        } else {
+            self.forward_ops(x, rope, ctx)
+        }
+    }
+
+    fn forward_ops(&self, x: &Tensor, rope: &(Tensor, Tensor), ctx: &mut LayerContext) -> Tensor {
         let attention_input = match &self.input_layernorm {
             Some(norm) => norm.forward(x),
             None => x.shallow_clone(),

@@ -59,8 +59,78 @@ pub fn attend(
 ) -> Tensor {
     let kind = queries.kind();
     let queries32 = queries.to_kind(Kind::Float).contiguous();
-    let (keys32, values32) = (rows_of_f32(keys), rows_of_f32(values));
     let [batch, heads, new, dim] = dims(&queries32);
+    let out = Tensor::zeros(
+        [batch as i64, heads as i64, new as i64, dim as i64],
+        (Kind::Float, Device::Cpu),
+    );
+    let layout = RowLayout {
+        batch,
+        heads,
+        new,
+        dim,
+        strides: RowStrides {
+            batch: heads * new * dim,
+            head: new * dim,
+            token: dim,
+        },
+    };
+    // SAFETY: both tensors are contiguous f32 `[batch, heads, new, dim]`, alive for the call.
+    unsafe {
+        attend_rows(
+            queries32.data_ptr() as *const f32,
+            layout,
+            (keys, values),
+            mask,
+            (out.data_ptr() as *mut f32, layout.strides),
+            pool,
+        )
+    };
+    out.to_kind(kind)
+}
+
+/// Element strides of query or output row `(batch, head, token)`; each row's `dim` features are
+/// contiguous.
+#[derive(Clone, Copy)]
+pub(crate) struct RowStrides {
+    pub batch: usize,
+    pub head: usize,
+    pub token: usize,
+}
+
+/// The query rows [`attend_rows`] reads: `batch × heads × new` rows of `dim` floats at `strides`.
+#[derive(Clone, Copy)]
+pub(crate) struct RowLayout {
+    pub batch: usize,
+    pub heads: usize,
+    pub new: usize,
+    pub dim: usize,
+    pub strides: RowStrides,
+}
+
+/// [`attend`] for queries wherever they lie (the fused q/k/v rows of [`crate::llama`]'s
+/// few-row layer), writing each output row at `out.1`'s strides from `out.0`.
+///
+/// # Safety
+/// `queries` addresses the rows `layout` describes and `out.0` as many rows at `out.1`, all
+/// alive for the call, the output rows written by nobody else; the keys and values satisfy
+/// [`applies`] and `[batch, kv_heads, len, dim]`.
+pub(crate) unsafe fn attend_rows(
+    queries: *const f32,
+    layout: RowLayout,
+    (keys, values): (&Tensor, &Tensor),
+    mask: KeyMask,
+    out: (*mut f32, RowStrides),
+    pool: &SpinPool,
+) {
+    let RowLayout {
+        batch,
+        heads,
+        new,
+        dim,
+        ..
+    } = layout;
+    let (keys32, values32) = (rows_of_f32(keys), rows_of_f32(values));
     let [_, kv_heads, len, _] = dims(&keys32);
     // The mask's bytes, kept alive here while the pool's threads read them.
     let given_mask = match mask {
@@ -74,10 +144,6 @@ pub fn attend(
         (None, KeyMask::Causal) => Allowed::Causal,
         (None, _) => Allowed::All,
     };
-    let out = Tensor::zeros(
-        [batch as i64, heads as i64, new as i64, dim as i64],
-        (Kind::Float, Device::Cpu),
-    );
     let shape = Shape {
         heads,
         kv_heads,
@@ -88,12 +154,14 @@ pub fn attend(
         scale: 1.0 / (dim as f32).sqrt(),
     };
     let pointers = Pointers {
-        queries: queries32.data_ptr() as usize,
+        queries: queries as usize,
+        query_strides: layout.strides,
         keys: keys32.data_ptr() as usize,
         values: values32.data_ptr() as usize,
         key_strides: [keys32.stride()[0] as usize, keys32.stride()[1] as usize],
         value_strides: [values32.stride()[0] as usize, values32.stride()[1] as usize],
-        out: out.data_ptr() as usize,
+        out: out.0 as usize,
+        out_strides: out.1,
         mask: given_mask.as_ref().map_or(0, |m| m.data_ptr() as usize),
     };
     let rows = batch * heads * new;
@@ -102,12 +170,11 @@ pub fn attend(
         let first = (part * part_len).min(rows);
         let end = (first + part_len).min(rows);
         // SAFETY: the tensors behind `pointers` are f32 (the mask bool) of the shapes read above,
-        // their rows of `dim` floats contiguous (the queries and mask wholly), and outlive the
-        // call; each part writes only its own rows of `out`.
+        // their rows of `dim` floats contiguous (the mask wholly), and outlive the call; each
+        // part writes only its own rows of `out`.
         unsafe { shape.rows(pointers, &mask, first, end) };
     };
     pool.run(&run_part);
-    out.to_kind(kind)
 }
 
 /// `t [batch, kv_heads, len, dim]` as f32 whose rows of `dim` floats are contiguous: a cache's
@@ -141,11 +208,13 @@ enum Allowed {
 #[derive(Clone, Copy)]
 struct Pointers {
     queries: usize,
+    query_strides: RowStrides,
     keys: usize,
     values: usize,
     key_strides: [usize; 2],
     value_strides: [usize; 2],
     out: usize,
+    out_strides: RowStrides,
     mask: usize,
 }
 
@@ -196,13 +265,27 @@ impl Shape {
         let keys = (pointers.keys as *const f32).add(at(pointers.key_strides));
         let values = (pointers.values as *const f32).add(at(pointers.value_strides));
         for row in first..end {
-            let query =
-                std::slice::from_raw_parts((pointers.queries as *const f32).add(row * dim), dim);
-            let out =
-                std::slice::from_raw_parts_mut((pointers.out as *mut f32).add(row * dim), dim);
+            let query = std::slice::from_raw_parts(
+                (pointers.queries as *const f32).add(self.offset(pointers.query_strides, row)),
+                dim,
+            );
+            let out = std::slice::from_raw_parts_mut(
+                (pointers.out as *mut f32).add(self.offset(pointers.out_strides, row)),
+                dim,
+            );
             let allowed = self.allowed(pointers, mask, row);
             kernel::attend_row(query, &allowed, self.scale, (keys, values), scratch, out);
         }
+    }
+
+    /// Where row `row` (numbered over `[batch, heads, new]`) starts in a layout of `strides`.
+    fn offset(&self, strides: RowStrides, row: usize) -> usize {
+        let (batch, head, token) = (
+            row / (self.heads * self.new),
+            row / self.new % self.heads,
+            row % self.new,
+        );
+        batch * strides.batch + head * strides.head + token * strides.token
     }
 
     /// Which of the `len` keys query row `row` may attend to.
@@ -435,7 +518,7 @@ mod kernel {
     /// `e^x` lane by lane (Cephes' single-precision polynomial, within 2 ulp), the same bits
     /// whatever the lane: inputs here are ≤ 0, and below −87.3 give the smallest normal result.
     #[target_feature(enable = "avx2,fma")]
-    unsafe fn exp(x: __m256) -> __m256 {
+    pub(crate) unsafe fn exp(x: __m256) -> __m256 {
         let x = _mm256_max_ps(x, _mm256_set1_ps(-87.336_55));
         let n = _mm256_round_ps(
             _mm256_mul_ps(x, _mm256_set1_ps(std::f32::consts::LOG2_E)),
@@ -466,6 +549,11 @@ mod kernel {
         _mm256_mul_ps(p, _mm256_castsi256_ps(exponent))
     }
 }
+
+/// `e^x` for eight `x ≤ 0` at once, each lane's bits independent of the others (for other
+/// row-invariant kernels: the few-row decoder layer's SiLU).
+#[cfg(target_arch = "x86_64")]
+pub(crate) use kernel::exp as exp_nonpositive;
 
 /// Elsewhere [`applies`] is false and this is never called.
 #[cfg(not(target_arch = "x86_64"))]

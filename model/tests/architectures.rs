@@ -1,9 +1,10 @@
 //! Every supported architecture matches transformers on a tiny random model
 //! (fixtures from `scripts/make_architecture_fixtures.py`): Llama-3 rope scaling, untied
-//! embeddings, Mistral, Qwen2's q/k/v bias, Qwen3's q/k norms with an explicit head_dim.
+//! embeddings, Mistral, Qwen2's q/k/v bias, Qwen3's q/k norms with an explicit head_dim; each
+//! through libtorch's ops (no cache) and through the few-row decoder layer (a cached forward).
 
 use headway_model::testing::fixture_path;
-use headway_model::{CausalLm, CpuThreads, ForwardInput, ModelConfig, SafetensorsWeights};
+use headway_model::{CausalLm, CpuThreads, ForwardInput, KvCache, ModelConfig, SafetensorsWeights};
 use tch::{Device, Kind, Tensor};
 
 fn check(name: &str) {
@@ -29,12 +30,16 @@ fn check(name: &str) {
         taps: &[],
         cpu: &cpu,
     };
-    let hidden = tch::no_grad(|| model.model.forward(&input, None))
-        .unwrap()
-        .hidden;
-    let logits = model.lm_head.forward(&hidden.squeeze_dim(0), &cpu);
-    let diff = (logits - get("logits")).abs().max().double_value(&[]);
-    assert!(diff < 1e-4, "{name}: max |Δlogit| {diff}");
+    let tokens = input_ids.size()[1] as usize;
+    let mut cache = KvCache::new(&config, 1, tokens, Kind::Float, Device::Cpu).unwrap();
+    for (path, cache) in [("libtorch", None), ("few-row", Some(&mut cache))] {
+        let hidden = tch::no_grad(|| model.model.forward(&input, cache))
+            .unwrap()
+            .hidden;
+        let logits = model.lm_head.forward(&hidden.squeeze_dim(0), &cpu);
+        let diff = (logits - get("logits")).abs().max().double_value(&[]);
+        assert!(diff < 1e-4, "{name}, {path} path: max |Δlogit| {diff}");
+    }
 }
 
 #[test]

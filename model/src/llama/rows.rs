@@ -1,0 +1,443 @@
+//! A decoder layer over the few f32 rows of decoding and tree verification, in Headway's own code.
+//!
+//! Once the weights are quantised, a decode step of SmolLM2-135M lasts ~10 ms over 30 layers, and
+//! the ~35 libtorch ops of a layer outside its matrix products (norms, rotary, SiLU, adds, views,
+//! the cache copy) cost a few microseconds of dispatch each: a third of the step. Here a layer is
+//! plain loops over row buffers around the same matrix kernels and row attention as the tensor
+//! path ([`Linear::forward_rows`], [`row_attention::attend_rows`]), new keys and values written
+//! straight into the cache.
+//!
+//! Exactness rests on every row being computed by the same operations whatever rows are beside
+//! it: norms, rotary and SiLU run row by row (SiLU lane by lane), products and attention on the
+//! row-invariant kernels, so a token verified inside a tree gets the bits it gets when decoded.
+
+use tch::{Device, Kind, Tensor};
+
+use super::{Attention, DecoderLayer, LayerContext, Mlp, RmsNorm};
+use crate::kv_cache::KvCache;
+use crate::linear::{f32_slice, f32_slice_mut, Linear, ROW_KERNEL_MAX_ROWS};
+use crate::row_attention::{self, RowLayout, RowStrides};
+use crate::row_kernel;
+use crate::spin_pool::SpinPool;
+
+impl DecoderLayer {
+    /// Whether [`Self::forward_rows`] runs `x` `[batch, new, hidden]` at `rope` in `ctx`: f32 on
+    /// the CPU without gradients, at most [`ROW_KERNEL_MAX_ROWS`] rows, a CPU policy with a pool,
+    /// an f32 cache, and every weight one the few-row kernels take.
+    pub(super) fn runs_rows(
+        &self,
+        x: &Tensor,
+        rope: &(Tensor, Tensor),
+        ctx: &LayerContext,
+    ) -> bool {
+        let size = x.size();
+        let rows = size.iter().take(2).product::<i64>() as usize;
+        let plain_f32 =
+            |t: &Tensor| t.kind() == Kind::Float && t.device() == Device::Cpu && !t.requires_grad();
+        let rope_rows = [&rope.0, &rope.1].into_iter().all(|t| {
+            plain_f32(t)
+                && t.is_contiguous()
+                && t.numel() == rows * self.self_attn.head_dim as usize
+        });
+        let cache_f32 = ctx.cache.as_deref().is_some_and(|cache| {
+            let (keys, values) = cache.storage(ctx.layer);
+            [keys, values]
+                .into_iter()
+                .all(|t| plain_f32(t) && t.is_contiguous())
+        });
+        let norms = self.norms().all(|norm| plain_f32(&norm.weight));
+        let linears = self.linears().all(Linear::runs_rows);
+        ctx.cpu.pool().is_some()
+            && row_kernel::available()
+            && size.len() == 3
+            && plain_f32(x)
+            && (1..=ROW_KERNEL_MAX_ROWS).contains(&rows)
+            && rope_rows
+            && cache_f32
+            && norms
+            && linears
+    }
+
+    fn norms(&self) -> impl Iterator<Item = &RmsNorm> {
+        let qk = self.self_attn.qk_norm.iter().flat_map(|(q, k)| [q, k]);
+        self.input_layernorm
+            .iter()
+            .chain([&self.post_attention_layernorm])
+            .chain(qk)
+    }
+
+    fn linears(&self) -> impl Iterator<Item = &Linear> {
+        [
+            &self.self_attn.qkv_proj,
+            &self.self_attn.o_proj,
+            &self.mlp.gate_up_proj,
+            &self.mlp.down_proj,
+        ]
+        .into_iter()
+    }
+
+    /// The layer as [`Self::forward`] computes it, on row buffers; only where
+    /// [`Self::runs_rows`] holds.
+    pub(super) fn forward_rows(
+        &self,
+        x: &Tensor,
+        rope: &(Tensor, Tensor),
+        ctx: &mut LayerContext,
+    ) -> Tensor {
+        let pool = ctx.cpu.pool().expect("runs_rows checked the pool");
+        let x = x.contiguous();
+        let size = x.size();
+        let input = f32_slice(&x);
+        let normed;
+        let attention_input = match &self.input_layernorm {
+            Some(norm) => {
+                normed = norm.rows(input);
+                &normed[..]
+            }
+            None => input,
+        };
+        let batch_new = (size[0] as usize, size[1] as usize);
+        let attended = self
+            .self_attn
+            .rows(attention_input, batch_new, rope, ctx, pool);
+        let mut out = Tensor::empty(size.as_slice(), (Kind::Float, Device::Cpu));
+        let residual = f32_slice_mut(&mut out);
+        self.self_attn
+            .o_proj
+            .forward_rows(&attended, residual, pool);
+        add_into(residual, input);
+        let mlp = self
+            .mlp
+            .rows(&self.post_attention_layernorm.rows(residual), pool);
+        add_into(residual, &mlp);
+        out
+    }
+}
+
+/// `sum[i] += add[i]`.
+fn add_into(sum: &mut [f32], add: &[f32]) {
+    sum.iter_mut().zip(add).for_each(|(s, a)| *s += a);
+}
+
+impl Attention {
+    /// Attended values `[batch, new, heads · head_dim]` of `input` (`batch × new` rows), the new
+    /// keys and values written into `ctx`'s cache after its rows.
+    fn rows(
+        &self,
+        input: &[f32],
+        (batch, new): (usize, usize),
+        rope: &(Tensor, Tensor),
+        ctx: &mut LayerContext,
+        pool: &SpinPool,
+    ) -> Vec<f32> {
+        let (heads, kv_heads, dim) = (
+            self.num_heads as usize,
+            self.num_kv_heads as usize,
+            self.head_dim as usize,
+        );
+        let width = (heads + 2 * kv_heads) * dim;
+        let mut qkv = vec![0f32; batch * new * width];
+        self.qkv_proj.forward_rows(input, &mut qkv, pool);
+        let (cos, sin) = (f32_slice(&rope.0), f32_slice(&rope.1));
+        for ((row, cos), sin) in qkv
+            .chunks_exact_mut(width)
+            .zip(cos.chunks_exact(dim))
+            .zip(sin.chunks_exact(dim))
+        {
+            for (head, values) in row[..(heads + kv_heads) * dim]
+                .chunks_exact_mut(dim)
+                .enumerate()
+            {
+                if let Some((q_norm, k_norm)) = &self.qk_norm {
+                    let norm = if head < heads { q_norm } else { k_norm };
+                    norm.normalise(values, f32_slice(&norm.weight));
+                }
+                rotate(values, cos, sin);
+            }
+        }
+        let cache = ctx
+            .cache
+            .as_deref_mut()
+            .expect("runs_rows checked the cache");
+        write_keys_values(cache, ctx.layer, &qkv, (heads, kv_heads, dim), new);
+        let (keys, values) = cache.written(ctx.layer, new);
+        let mut out = vec![0f32; batch * new * heads * dim];
+        let queries = RowLayout {
+            batch,
+            heads,
+            new,
+            dim,
+            strides: RowStrides {
+                batch: new * width,
+                head: dim,
+                token: width,
+            },
+        };
+        let out_strides = RowStrides {
+            batch: new * heads * dim,
+            head: dim,
+            token: heads * dim,
+        };
+        // SAFETY: `qkv` holds the query rows `queries` describes (each row's heads first), `out`
+        // the output rows at `out_strides`; both outlive the call; the cache views are f32 CPU
+        // tensors of `[batch, kv_heads, len, dim]` (`runs_rows`), where `applies` holds.
+        unsafe {
+            row_attention::attend_rows(
+                qkv.as_ptr(),
+                queries,
+                (&keys, &values),
+                ctx.key_mask(),
+                (out.as_mut_ptr(), out_strides),
+                pool,
+            )
+        };
+        out
+    }
+}
+
+/// Copies the keys and values of the fused `qkv` rows (`[batch, new, heads + 2 kv_heads, dim]`)
+/// into `layer`'s cache storage `[batch, kv_heads, capacity, dim]` after its cached rows.
+fn write_keys_values(
+    cache: &KvCache,
+    layer: usize,
+    qkv: &[f32],
+    (heads, kv_heads, dim): (usize, usize, usize),
+    new: usize,
+) {
+    let (keys, values) = cache.storage(layer);
+    let capacity = keys.size()[2] as usize;
+    let width = (heads + 2 * kv_heads) * dim;
+    let batch = qkv.len() / (width * new).max(1);
+    let past = cache.len();
+    for (storage, first_head) in [(keys, heads), (values, heads + kv_heads)] {
+        let base = storage.data_ptr() as *mut f32;
+        for (row, values) in qkv.chunks_exact(width).enumerate() {
+            let (sequence, token) = (row / new, row % new);
+            for kv_head in 0..kv_heads {
+                let from = &values[(first_head + kv_head) * dim..][..dim];
+                let at = ((sequence * kv_heads + kv_head) * capacity + past + token) * dim;
+                assert!(sequence < batch && past + token < capacity, "cache room");
+                // SAFETY: the storage is a contiguous f32 `[batch, kv_heads, capacity, dim]`
+                // tensor (`runs_rows`) and `at` addresses one of its rows (asserted above); the
+                // cache is borrowed for the copy, nothing reads these rows meanwhile.
+                unsafe { std::ptr::copy_nonoverlapping(from.as_ptr(), base.add(at), dim) };
+            }
+        }
+    }
+}
+
+/// `x · cos + rotate_half(x) · sin` for one head's `x`, each product rounded before the sum as
+/// libtorch's elementwise ops round them.
+fn rotate(x: &mut [f32], cos: &[f32], sin: &[f32]) {
+    let half = x.len() / 2;
+    for j in 0..half {
+        let (low, high) = (x[j], x[j + half]);
+        x[j] = low * cos[j] + -high * sin[j];
+        x[j + half] = high * cos[j + half] + low * sin[j + half];
+    }
+}
+
+impl RmsNorm {
+    /// Each row of `x` (rows of the weight's size) normalised.
+    fn rows(&self, x: &[f32]) -> Vec<f32> {
+        let weight = f32_slice(&self.weight);
+        let mut out = x.to_vec();
+        for row in out.chunks_exact_mut(weight.len()) {
+            self.normalise(row, weight);
+        }
+        out
+    }
+
+    /// `weight · row / √(mean(row²) + ε)` in place, the squares summed in [`LANES`] lanes.
+    fn normalise(&self, row: &mut [f32], weight: &[f32]) {
+        let mut lanes = [0f32; LANES];
+        let chunks = row.chunks_exact(LANES);
+        let tail: f32 = chunks.remainder().iter().map(|v| v * v).sum();
+        for chunk in chunks {
+            lanes.iter_mut().zip(chunk).for_each(|(l, v)| *l += v * v);
+        }
+        let mean = (lanes.iter().sum::<f32>() + tail) / row.len() as f32;
+        let inverse = 1.0 / (mean + self.eps as f32).sqrt();
+        row.iter_mut()
+            .zip(weight)
+            .for_each(|(v, w)| *v = w * (*v * inverse));
+    }
+}
+
+/// Floats per vector of the SiLU and the norms' sums of squares.
+const LANES: usize = 8;
+
+impl Mlp {
+    /// `down(silu(gate(x)) · up(x))` for rows of `x`.
+    fn rows(&self, x: &[f32], pool: &SpinPool) -> Vec<f32> {
+        let intermediate = self.intermediate as usize;
+        let hidden = self.down_proj.out_features();
+        let rows = x.len() / hidden;
+        let mut gate_up = vec![0f32; rows * 2 * intermediate];
+        self.gate_up_proj.forward_rows(x, &mut gate_up, pool);
+        let mut activated = vec![0f32; rows * intermediate];
+        for (gate_up, out) in gate_up
+            .chunks_exact(2 * intermediate)
+            .zip(activated.chunks_exact_mut(intermediate))
+        {
+            let (gate, up) = gate_up.split_at(intermediate);
+            silu_times(gate, up, out);
+        }
+        let mut out = vec![0f32; rows * hidden];
+        self.down_proj.forward_rows(&activated, &mut out, pool);
+        out
+    }
+}
+
+/// `out = silu(gate) · up`, eight lanes at a time (the tail padded into one more vector), so every
+/// element gets the same operations wherever it lies.
+fn silu_times(gate: &[f32], up: &[f32], out: &mut [f32]) {
+    let full = gate.len() / LANES * LANES;
+    // SAFETY: the few-row layer runs only where the row kernel does: AVX2 and FMA.
+    unsafe {
+        for at in (0..full).step_by(LANES) {
+            let chunk = gate[at..at + LANES].try_into().expect("a whole vector");
+            let lanes = silu_times_8(chunk, &up[at..]);
+            out[at..at + LANES].copy_from_slice(&lanes);
+        }
+        if full < gate.len() {
+            let mut padded = ([0f32; LANES], [0f32; LANES]);
+            padded.0[..gate.len() - full].copy_from_slice(&gate[full..]);
+            padded.1[..gate.len() - full].copy_from_slice(&up[full..]);
+            let lanes = silu_times_8(padded.0, &padded.1);
+            out[full..].copy_from_slice(&lanes[..gate.len() - full]);
+        }
+    }
+}
+
+/// `silu(g) · u` for eight `g` and the first eight `u`: `g · σ(g)`, `σ` from `e = exp(−|g|)` as
+/// `1 / (1 + e)` or `e / (1 + e)` so the exponential never overflows.
+///
+/// # Safety
+/// AVX2 and FMA are available.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn silu_times_8(gate: [f32; LANES], up: &[f32]) -> [f32; LANES] {
+    use std::arch::x86_64::*;
+    let g = _mm256_loadu_ps(gate.as_ptr());
+    let sign = _mm256_set1_ps(-0.0);
+    let e = row_attention::exp_nonpositive(_mm256_or_ps(g, sign));
+    let one = _mm256_set1_ps(1.0);
+    let negative = _mm256_cmp_ps(g, _mm256_setzero_ps(), _CMP_LT_OQ);
+    let sigmoid = _mm256_div_ps(_mm256_blendv_ps(one, e, negative), _mm256_add_ps(one, e));
+    let product = _mm256_mul_ps(_mm256_mul_ps(g, sigmoid), _mm256_loadu_ps(up.as_ptr()));
+    let mut out = [0f32; LANES];
+    _mm256_storeu_ps(out.as_mut_ptr(), product);
+    out
+}
+
+/// Elsewhere the row kernel, and so this layer, never runs.
+#[cfg(not(target_arch = "x86_64"))]
+unsafe fn silu_times_8(_: [f32; LANES], _: &[f32]) -> [f32; LANES] {
+    unreachable!("the few-row layer runs only where the row kernel does")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::testing::tiny_config;
+    use crate::{CausalLm, CpuPolicy, CpuThreads, RandomWeights};
+
+    fn context<'a>(cache: Option<&'a mut KvCache>, cpu: &'a CpuPolicy) -> LayerContext<'a> {
+        LayerContext {
+            layer: 0,
+            cache,
+            mask: None,
+            is_causal: true,
+            cpu,
+        }
+    }
+
+    /// The few-row layer takes cached decoding and verification, computes what libtorch's ops
+    /// compute (its own norm sums differ in the last bits) and writes the same cache rows; it
+    /// declines what it does not run.
+    #[test]
+    fn the_few_row_layer_matches_libtorchs_ops_where_it_runs() {
+        let config = tiny_config();
+        let model = CausalLm::load(
+            &config,
+            &mut RandomWeights::new(3, Kind::Float, Device::Cpu),
+        )
+        .unwrap();
+        let layer = &model.model.layers[0];
+        let cpu = CpuThreads::new(2).decode();
+        let new = 5;
+        let x = Tensor::randn(
+            [1, new, config.hidden_size as i64],
+            (Kind::Float, Device::Cpu),
+        );
+        let positions = Tensor::arange(new, (Kind::Int64, Device::Cpu)).unsqueeze(0);
+        let rope = model.model.rotary.cos_sin(&positions, Kind::Float);
+        let caches: Vec<KvCache> = (0..2)
+            .map(|_| KvCache::new(&config, 1, 8, Kind::Float, Device::Cpu).unwrap())
+            .collect();
+        let [mut rows_cache, mut ops_cache] = <[KvCache; 2]>::try_from(caches).ok().unwrap();
+        let mut rows_ctx = context(Some(&mut rows_cache), &cpu);
+        assert!(layer.runs_rows(&x, &rope, &rows_ctx));
+        let rows = layer.forward_rows(&x, &rope, &mut rows_ctx);
+        let ops = layer.forward_ops(&x, &rope, &mut context(Some(&mut ops_cache), &cpu));
+        let diff = (&rows - &ops).abs().max().double_value(&[]);
+        assert!(diff < 1e-4, "max |Δ| {diff}");
+        let (rows_kv, ops_kv) = (rows_cache.written(0, 5), ops_cache.written(0, 5));
+        for (a, b) in [(&rows_kv.0, &ops_kv.0), (&rows_kv.1, &ops_kv.1)] {
+            let diff = (a - b).abs().max().double_value(&[]);
+            assert!(diff < 1e-4, "cache rows differ by {diff}");
+        }
+        assert!(
+            !layer.runs_rows(&x, &rope, &context(None, &cpu)),
+            "no cache"
+        );
+        let long = Tensor::randn(
+            [1, 65, config.hidden_size as i64],
+            (Kind::Float, Device::Cpu),
+        );
+        let long_rope = model.model.rotary.cos_sin(
+            &Tensor::arange(65, (Kind::Int64, Device::Cpu)).unsqueeze(0),
+            Kind::Float,
+        );
+        let mut room = KvCache::new(&config, 1, 80, Kind::Float, Device::Cpu).unwrap();
+        assert!(
+            !layer.runs_rows(&long, &long_rope, &context(Some(&mut room), &cpu)),
+            "65 rows"
+        );
+        let batch = CpuPolicy::Batch { threads: 2 };
+        let batch_ctx = context(Some(&mut room), &batch);
+        assert!(!layer.runs_rows(&x, &rope, &batch_ctx), "libtorch's policy");
+    }
+
+    #[test]
+    fn norms_match_libtorchs_within_rounding() {
+        let norm = RmsNorm {
+            weight: Tensor::randn([37], (Kind::Float, Device::Cpu)),
+            eps: 1e-5,
+        };
+        let x = Tensor::randn([3, 37], (Kind::Float, Device::Cpu));
+        let rows = Tensor::from_slice(&norm.rows(f32_slice(&x))).view([3, 37]);
+        let diff = (rows - norm.forward(&x)).abs().max().double_value(&[]);
+        assert!(diff < 1e-5, "max |Δ| {diff}");
+    }
+
+    /// Every element, in whole vectors or the padded tail, for large and tiny gates alike.
+    #[test]
+    fn silu_times_matches_the_formula_everywhere() {
+        let gate: Vec<f32> = (0..21)
+            .map(|i| (i as f32 - 10.0) * 1.7)
+            .chain([-100.0, 100.0, 0.0])
+            .collect();
+        let up: Vec<f32> = (0..gate.len()).map(|i| 0.5 + i as f32 * 0.1).collect();
+        let mut out = vec![f32::NAN; gate.len()];
+        silu_times(&gate, &up, &mut out);
+        for ((g, u), o) in gate.iter().zip(&up).zip(&out) {
+            let expected = (*g as f64 / (1.0 + (-*g as f64).exp())) * *u as f64;
+            assert!(
+                (*o as f64 - expected).abs() <= 1e-6 * expected.abs() + 1e-30,
+                "silu({g}) · {u}: {o} vs {expected}"
+            );
+        }
+    }
+}
