@@ -23,7 +23,7 @@ export HEADWAY_HOME
 export CARGO_TARGET_DIR ?= $(HEADWAY_HOME)/target
 BIN := $(CARGO_TARGET_DIR)/release
 
-.PHONY: demo test build venv model data openai-client ref-env interop-env fixtures bench bench-spec bench-prepare bench-train bench-eagle3 interop-vllm exactness clean-cache
+.PHONY: demo test build venv model data openai-client ref-env interop-env fixtures bench bench-spec bench-llamacpp bench-prepare bench-train bench-eagle3 interop-vllm exactness clean-cache
 
 demo: model data build
 	BIN=$(BIN) QUESTIONS=$(QUESTIONS) scripts/demo.sh
@@ -103,6 +103,15 @@ bench: model build ref-env
 		--max-new-tokens 128 --json bench-ar.json
 	$(PYTHON) scripts/bench_transformers.py --threads 2 --questions $(QUESTIONS) --json bench-transformers.json
 	$(PYTHON) scripts/compare_token_ids.py bench-ar.json bench-transformers.json
+
+# llama.cpp (built once from the source in PyPI's llama-cpp-python sdist, under HEADWAY_HOME) and
+# Headway on the SmolLM2 Q4_1 GGUF as stored: the same 8 Spec-Bench prompts, 128 new tokens,
+# 2 threads, rounds alternating; prefill and decoding rates, Headway's drafter (LLAMACPP_METHOD)
+# against its plain decoding, resident memory, host bandwidth (scripts/bench_llamacpp.py).
+LLAMACPP_METHOD ?= --method lookup
+bench-llamacpp: model build ref-env
+	$(PYTHON) scripts/bench_llamacpp.py --headway-bin $(BIN) --questions $(QUESTIONS) --threads 2 \
+		--rounds 2 --method "$(LLAMACPP_METHOD)" --json bench-llamacpp.json
 
 # prepare throughput on 200 ShareGPT conversations against the same forward in PyTorch.
 # Speculative decoding on Spec-Bench with the committed EAGLE head (pretrained/), against plain

@@ -71,6 +71,14 @@ impl Matrix {
         }
     }
 
+    /// Bytes the values occupy as the kernels read them.
+    pub fn bytes(&self) -> usize {
+        match self {
+            Self::Dense(tensor) => tensor.numel() * tensor.kind().elt_size_in_bytes(),
+            Self::Quantised { blocks, .. } => blocks.data().len(),
+        }
+    }
+
     /// The same weights (shared, not copied).
     pub fn share(&self) -> Self {
         match self {

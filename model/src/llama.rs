@@ -745,4 +745,17 @@ impl CausalLm {
     pub fn config(&self) -> &ModelConfig {
         self.model.config()
     }
+
+    /// Bytes of weights one decoding step reads: every layer's matrices and the LM head. On a
+    /// CPU, memory bandwidth over these bytes bounds the decoding rate.
+    pub fn decode_step_bytes(&self) -> usize {
+        let layers: usize = self
+            .model
+            .layers
+            .iter()
+            .flat_map(DecoderLayer::linears)
+            .map(|linear| linear.matrix().bytes())
+            .sum();
+        layers + self.lm_head.matrix().bytes()
+    }
 }

@@ -66,7 +66,7 @@ impl DecoderLayer {
             .chain(qk)
     }
 
-    fn linears(&self) -> impl Iterator<Item = &Linear> {
+    pub(super) fn linears(&self) -> impl Iterator<Item = &Linear> {
         [
             &self.self_attn.qkv_proj,
             &self.self_attn.o_proj,

@@ -5,6 +5,7 @@
 //! token included, so plain decoding has τ = 1. Speedups compare with `ar` measured in the same
 //! run on the same prompts, the two alternating question by question.
 
+mod host;
 mod plot;
 mod questions;
 mod report;
@@ -18,6 +19,7 @@ use headway_engine::drafters::{Drafter, NoDrafter};
 use headway_engine::engine::{generate_speculative, SpecGeneration};
 use headway_model::{Message, Sampler, SamplingArgs, SamplingParams, Target, TargetArgs};
 
+pub use host::HostFigures;
 pub use questions::{
     load_questions, spec_bench_category, spread, tuning_questions, Question, QuestionId,
 };
@@ -114,6 +116,7 @@ pub fn run(args: BenchArgs) -> anyhow::Result<()> {
     let capacity = (longest + args.turns * args.max_new_tokens + 64)
         .min(target.model.config().max_position_embeddings);
     let mut drafter = plan.drafter(&target, capacity)?;
+    let mut host = HostFigures::measure(target.cpu.count(), target.model.decode_step_bytes());
     let baseline = !plan.is_ar() && !args.no_baseline;
     let (run, ar) = alternate(
         &target,
@@ -124,7 +127,9 @@ pub fn run(args: BenchArgs) -> anyhow::Result<()> {
         baseline,
     )?;
     let settings = settings(&args, &target, &questions, &options, tuning.as_ref(), &run);
-    let report = report(&label, settings, &run, ar.as_ref());
+    host.record_memory();
+    let mut report = report(&label, settings, &run, ar.as_ref());
+    report.host = Some(host);
     let mut table = markdown(&report);
     if let Some(tuning) = &tuning {
         table.push_str(&format!(

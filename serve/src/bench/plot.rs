@@ -109,6 +109,9 @@ mod tests {
             new_tokens: 10,
             seconds: 10.0 / tokens_per_s,
             tokens_per_s,
+            prompt_tokens: 20,
+            prefill_tokens_per_s: 200.0,
+            decode_tokens_per_s: tokens_per_s,
             tau: 2.0,
             mean_accepted: 1.0,
         }
@@ -129,6 +132,7 @@ mod tests {
             speedup_vs_ar: Some(1.5),
             predicted_speedup: Some(1.7),
             per_depth_acceptance: vec![0.7, 0.5, 0.3],
+            host: None,
             overall: comparison.clone(),
             per_category: [
                 ("coding".to_string(), comparison.clone()),

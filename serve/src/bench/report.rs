@@ -6,6 +6,7 @@ use std::collections::BTreeMap;
 use headway_engine::engine::SpecGeneration;
 use serde::{Deserialize, Serialize};
 
+use super::host::HostFigures;
 use super::questions::{spec_bench_category, QuestionId};
 
 /// Figures for one prompt (one turn of one question).
@@ -35,7 +36,17 @@ pub struct Summary {
     pub prompts: usize,
     pub new_tokens: usize,
     pub seconds: f64,
+    /// New tokens over all seconds, the prompts' forwards included.
     pub tokens_per_s: f64,
+    #[serde(default)]
+    pub prompt_tokens: usize,
+    /// Prompt tokens per second of the prompts' forwards.
+    #[serde(default)]
+    pub prefill_tokens_per_s: f64,
+    /// New tokens after each prompt's first (which its forward gives) per second after it:
+    /// decoding alone, as llama.cpp's "eval" rate counts it.
+    #[serde(default)]
+    pub decode_tokens_per_s: f64,
     /// New tokens per target forward (plain decoding: 1.0).
     pub tau: f64,
     /// Accepted draft tokens per verification step.
@@ -45,19 +56,27 @@ pub struct Summary {
 impl Summary {
     fn of<'a>(results: impl IntoIterator<Item = &'a PromptResult>) -> Self {
         let (mut prompts, mut tokens, mut seconds, mut forwards, mut accepted) = (0, 0, 0.0, 0, 0);
+        let (mut prompt_tokens, mut prefill_seconds, mut first_tokens) = (0, 0.0, 0);
         for r in results {
             prompts += 1;
             tokens += r.new_tokens;
             seconds += r.seconds;
             forwards += r.target_forwards;
             accepted += r.accepted_tokens;
+            prompt_tokens += r.prompt_tokens;
+            prefill_seconds += r.prefill_seconds;
+            first_tokens += r.new_tokens.min(1);
         }
         let steps = forwards.saturating_sub(prompts);
+        let rate = |count: usize, seconds: f64| count as f64 / seconds.max(f64::MIN_POSITIVE);
         Self {
             prompts,
             new_tokens: tokens,
             seconds,
-            tokens_per_s: tokens as f64 / seconds.max(f64::MIN_POSITIVE),
+            tokens_per_s: rate(tokens, seconds),
+            prompt_tokens,
+            prefill_tokens_per_s: rate(prompt_tokens, prefill_seconds),
+            decode_tokens_per_s: rate(tokens - first_tokens, seconds - prefill_seconds),
             tau: tokens as f64 / forwards.max(1) as f64,
             mean_accepted: accepted as f64 / steps.max(1) as f64,
         }
@@ -168,6 +187,10 @@ pub struct BenchReport {
     pub per_depth_acceptance: Vec<f64>,
     pub overall: Comparison,
     pub per_category: BTreeMap<String, Comparison>,
+    /// The host's read bandwidth, the decoding rate it bounds, resident memory (absent in reports
+    /// of older versions).
+    #[serde(default)]
+    pub host: Option<HostFigures>,
     /// Prompts whose outputs equal plain decoding's in the same run (greedy: all of them, or the
     /// arithmetic under verification differs from decoding's); `None` without a baseline.
     #[serde(default)]
@@ -220,6 +243,7 @@ pub fn report(
         speedup_vs_ar: overall.speedup_vs_ar,
         predicted_speedup: ar.map(|a| predicted_speedup(run, a)),
         per_depth_acceptance: run.depths.rates(),
+        host: None,
         overall,
         per_category,
         identical_to_ar: ar.map(|a| {
@@ -275,6 +299,28 @@ pub fn markdown(report: &BenchReport) -> String {
             c.ar.as_ref()
                 .map_or("–".into(), |a| format!("{:.1}", a.tokens_per_s)),
             c.speedup_vs_ar.map_or("–".into(), |s| format!("{s:.2}×")),
+        ));
+    }
+    let rates = |s: &Summary| {
+        format!(
+            "prefill {:.1} tokens/s, decoding {:.1} tokens/s",
+            s.prefill_tokens_per_s, s.decode_tokens_per_s
+        )
+    };
+    out.push_str(&format!(
+        "\n{}: {}",
+        report.method,
+        rates(&report.overall.method)
+    ));
+    if let Some(ar) = &report.overall.ar {
+        out.push_str(&format!("; ar: {}", rates(ar)));
+    }
+    out.push('\n');
+    if let Some(host) = &report.host {
+        let decoding = report.overall.ar.as_ref().unwrap_or(&report.overall.method);
+        out.push_str(&format!(
+            "\n{}",
+            host.describe(decoding.decode_tokens_per_s)
         ));
     }
     if !report.per_depth_acceptance.is_empty() {
@@ -358,6 +404,16 @@ mod tests {
             text: String::new(),
             token_ids,
         }
+    }
+
+    /// Prefill counts prompt tokens over the prompts' forwards; decoding the tokens after each
+    /// prompt's first over the rest of the time.
+    #[test]
+    fn prefill_and_decoding_rates_split_each_prompts_time() {
+        let summary = Summary::of(&[prompt(1, vec![5, 6, 7]), prompt(2, vec![8, 9])]);
+        assert!((summary.prefill_tokens_per_s - 6.0 / 0.2).abs() < 1e-9);
+        assert!((summary.decode_tokens_per_s - 3.0 / 1.8).abs() < 1e-9);
+        assert!((summary.tokens_per_s - 5.0 / 2.0).abs() < 1e-9);
     }
 
     #[test]
