@@ -23,7 +23,7 @@ use crate::spin_pool::SpinPool;
 impl DecoderLayer {
     /// Whether [`Self::forward_rows`] runs `x` `[batch, new, hidden]` at `rope` in `ctx`: f32 on
     /// the CPU without gradients, at most [`ROW_KERNEL_MAX_ROWS`] rows, a CPU policy with a pool,
-    /// an f32 cache, and every weight one the few-row kernels take.
+    /// an f32 cache of `x`'s batch, and every weight one the few-row kernels take.
     pub(super) fn runs_rows(
         &self,
         x: &Tensor,
@@ -43,7 +43,7 @@ impl DecoderLayer {
             let (keys, values) = cache.storage(ctx.layer);
             [keys, values]
                 .into_iter()
-                .all(|t| plain_f32(t) && t.is_contiguous())
+                .all(|t| plain_f32(t) && t.is_contiguous() && t.size()[0] == size[0])
         });
         let norms = self.norms().all(|norm| plain_f32(&norm.weight));
         let linears = self.linears().all(Linear::runs_rows);
@@ -198,7 +198,7 @@ impl Attention {
 /// Copies the keys and values of the fused `qkv` rows (`[batch, new, heads + 2 kv_heads, dim]`)
 /// into `layer`'s cache storage `[batch, kv_heads, capacity, dim]` after its cached rows.
 fn write_keys_values(
-    cache: &KvCache,
+    cache: &mut KvCache,
     layer: usize,
     qkv: &[f32],
     (heads, kv_heads, dim): (usize, usize, usize),
@@ -207,8 +207,11 @@ fn write_keys_values(
     let (keys, values) = cache.storage(layer);
     let capacity = keys.size()[2] as usize;
     let width = (heads + 2 * kv_heads) * dim;
-    let batch = qkv.len() / (width * new).max(1);
     let past = cache.len();
+    assert!(
+        past + new <= capacity,
+        "the forward checked the cache's room"
+    );
     for (storage, first_head) in [(keys, heads), (values, heads + kv_heads)] {
         let base = storage.data_ptr() as *mut f32;
         for (row, values) in qkv.chunks_exact(width).enumerate() {
@@ -216,10 +219,9 @@ fn write_keys_values(
             for kv_head in 0..kv_heads {
                 let from = &values[(first_head + kv_head) * dim..][..dim];
                 let at = ((sequence * kv_heads + kv_head) * capacity + past + token) * dim;
-                assert!(sequence < batch && past + token < capacity, "cache room");
                 // SAFETY: the storage is a contiguous f32 `[batch, kv_heads, capacity, dim]`
-                // tensor (`runs_rows`) and `at` addresses one of its rows (asserted above); the
-                // cache is borrowed for the copy, nothing reads these rows meanwhile.
+                // tensor (`runs_rows`) of `qkv`'s batch, and `at` addresses one of its rows (room
+                // asserted above); the cache is borrowed mutably, nothing reads it meanwhile.
                 unsafe { std::ptr::copy_nonoverlapping(from.as_ptr(), base.add(at), dim) };
             }
         }
