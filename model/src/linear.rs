@@ -158,17 +158,15 @@ impl Linear {
     /// Whether [`Self::forward_rows`] runs this layer: quantised blocks, or an f32 CPU weight the
     /// row kernel streams; no gradients.
     pub(crate) fn runs_rows(&self) -> bool {
-        let cpu_f32 =
-            |t: &Tensor| t.kind() == Kind::Float && t.device() == Device::Cpu && !t.requires_grad();
         let weight = match &self.weight {
-            Matrix::Dense(weight) => cpu_f32(weight) && row_kernel::available(),
+            Matrix::Dense(weight) => plain_cpu_f32(weight) && row_kernel::available(),
             Matrix::Quantised { .. } => true,
         };
         weight
             && self
                 .bias
                 .as_ref()
-                .is_none_or(|b| cpu_f32(b) && b.is_contiguous())
+                .is_none_or(|b| plain_cpu_f32(b) && b.is_contiguous())
     }
 
     /// `y = x Wᵀ + b` for `x` of up to [`ROW_KERNEL_MAX_ROWS`] whole rows of f32 features, into
@@ -293,6 +291,11 @@ fn quantised_into(x: &[f32], blocks: &QuantMatrix, y: &mut [f32], pool: &SpinPoo
             )
         }
     });
+}
+
+/// Whether `t` is f32 on the CPU without gradients: what Headway's few-row code reads.
+pub(crate) fn plain_cpu_f32(t: &Tensor) -> bool {
+    t.kind() == Kind::Float && t.device() == Device::Cpu && !t.requires_grad()
 }
 
 /// The values of a contiguous f32 CPU tensor.

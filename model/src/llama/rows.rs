@@ -15,7 +15,7 @@ use tch::{Device, Kind, Tensor};
 
 use super::{Attention, DecoderLayer, LayerContext, Mlp, RmsNorm};
 use crate::kv_cache::KvCache;
-use crate::linear::{f32_slice, f32_slice_mut, Linear, ROW_KERNEL_MAX_ROWS};
+use crate::linear::{f32_slice, f32_slice_mut, plain_cpu_f32, Linear, ROW_KERNEL_MAX_ROWS};
 use crate::row_attention::{self, RowLayout, RowStrides};
 use crate::row_kernel;
 use crate::spin_pool::SpinPool;
@@ -32,10 +32,8 @@ impl DecoderLayer {
     ) -> bool {
         let size = x.size();
         let rows = size.iter().take(2).product::<i64>() as usize;
-        let plain_f32 =
-            |t: &Tensor| t.kind() == Kind::Float && t.device() == Device::Cpu && !t.requires_grad();
         let rope_rows = [&rope.0, &rope.1].into_iter().all(|t| {
-            plain_f32(t)
+            plain_cpu_f32(t)
                 && t.is_contiguous()
                 && t.numel() == rows * self.self_attn.head_dim as usize
         });
@@ -43,14 +41,14 @@ impl DecoderLayer {
             let (keys, values) = cache.storage(ctx.layer);
             [keys, values]
                 .into_iter()
-                .all(|t| plain_f32(t) && t.is_contiguous() && t.size()[0] == size[0])
+                .all(|t| plain_cpu_f32(t) && t.is_contiguous() && t.size()[0] == size[0])
         });
-        let norms = self.norms().all(|norm| plain_f32(&norm.weight));
+        let norms = self.norms().all(|norm| plain_cpu_f32(&norm.weight));
         let linears = self.linears().all(Linear::runs_rows);
         ctx.cpu.pool().is_some()
             && row_kernel::available()
             && size.len() == 3
-            && plain_f32(x)
+            && plain_cpu_f32(x)
             && (1..=ROW_KERNEL_MAX_ROWS).contains(&rows)
             && rope_rows
             && cache_f32
@@ -139,6 +137,10 @@ impl Attention {
         let mut qkv = vec![0f32; batch * new * width];
         self.qkv_proj.forward_rows(input, &mut qkv, pool);
         let (cos, sin) = (f32_slice(&rope.0), f32_slice(&rope.1));
+        let qk_norms = self.qk_norm.as_ref().map(|(q, k)| {
+            let weights = (f32_slice(&q.weight), f32_slice(&k.weight));
+            ((q, weights.0), (k, weights.1))
+        });
         for ((row, cos), sin) in qkv
             .chunks_exact_mut(width)
             .zip(cos.chunks_exact(dim))
@@ -148,9 +150,9 @@ impl Attention {
                 .chunks_exact_mut(dim)
                 .enumerate()
             {
-                if let Some((q_norm, k_norm)) = &self.qk_norm {
-                    let norm = if head < heads { q_norm } else { k_norm };
-                    norm.normalise(values, f32_slice(&norm.weight));
+                if let Some((q_norm, k_norm)) = qk_norms {
+                    let (norm, weight) = if head < heads { q_norm } else { k_norm };
+                    norm.normalise(values, weight);
                 }
                 rotate(values, cos, sin);
             }

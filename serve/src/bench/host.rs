@@ -23,6 +23,9 @@ pub struct HostFigures {
     /// (`None` where `/proc` does not tell).
     pub rss_bytes: Option<u64>,
     pub peak_rss_bytes: Option<u64>,
+    /// Whether the kernel's peak count restarted after the bandwidth buffer was freed.
+    #[serde(skip)]
+    peak_restarted: bool,
 }
 
 impl HostFigures {
@@ -31,21 +34,22 @@ impl HostFigures {
     pub fn measure(threads: usize, decode_step_bytes: usize) -> Self {
         let read_bytes_per_s = read_bandwidth(threads.max(1));
         // Best effort: without it the peak may include the buffer above, and is dropped.
-        let peak_reset = std::fs::write("/proc/self/clear_refs", "5").is_ok();
+        let peak_restarted = std::fs::write("/proc/self/clear_refs", "5").is_ok();
         Self {
             threads,
             read_bytes_per_s,
             decode_step_bytes,
             limit_tokens_per_s: read_bytes_per_s / decode_step_bytes.max(1) as f64,
             rss_bytes: None,
-            peak_rss_bytes: peak_reset.then_some(0),
+            peak_rss_bytes: None,
+            peak_restarted,
         }
     }
 
     /// Records the resident set now and its peak.
     pub fn record_memory(&mut self) {
         self.rss_bytes = status_bytes("VmRSS:");
-        if self.peak_rss_bytes.is_some() {
+        if self.peak_restarted {
             self.peak_rss_bytes = status_bytes("VmHWM:");
         }
     }
