@@ -9,8 +9,8 @@ mod timing;
 
 use timing::best_of;
 
-use headway_model::quant::{quantise, QuantFormat, QuantMatrix};
-use headway_model::quant_kernel::{columns, detected_isa, Isa, QuantisedRows};
+use headway_model::quant::{quantise, QuantFormat};
+use headway_model::quant_kernel::{columns, detected_isa, Isa, PackedMatrix, QuantisedRows};
 
 const OUT: usize = 1536;
 const IN: usize = 576;
@@ -23,15 +23,15 @@ fn main() {
         isa => vec![isa],
     };
     for format in [QuantFormat::Q4_0, QuantFormat::Q4_1, QuantFormat::Q8_0] {
-        let weights: Vec<QuantMatrix> = (0..LAYERS)
+        let weights: Vec<PackedMatrix> = (0..LAYERS)
             .map(|l| {
                 let values: Vec<f32> = (0..OUT * IN)
                     .map(|i| ((i * 7 + l) % 13) as f32 * 0.01 - 0.06)
                     .collect();
-                quantise(format, &values, OUT, IN)
+                PackedMatrix::new(&quantise(format, &values, OUT, IN))
             })
             .collect();
-        let bytes = (LAYERS * weights[0].data().len()) as f64;
+        let bytes = (LAYERS * weights[0].bytes()) as f64;
         println!(
             "{} ({:.1} MB): rows, then ms (GB/s) per instruction set {isas:?}",
             format.name(),

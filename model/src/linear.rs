@@ -18,24 +18,29 @@ use std::sync::OnceLock;
 use tch::{Device, Kind, Tensor};
 
 use crate::cpu::CpuPolicy;
-use crate::quant::QuantMatrix;
-use crate::quant_kernel::{self, QuantisedRows};
+use crate::quant::{dequantise_rows, QuantMatrix};
+use crate::quant_kernel::{self, PackedMatrix, QuantisedRows};
 use crate::row_kernel::{self, Bf16, Product};
 use crate::spin_pool::SpinPool;
 
 /// A weight matrix `[out_features, in_features]` (the HF layout): a tensor, or GGUF blocks that
-/// the CPU multiplies as stored ([`crate::quant_kernel`]).
+/// the CPU multiplies without widening them (interleaved by eight rows, [`crate::quant_kernel`]).
 pub enum Matrix {
     Dense(Tensor),
     Quantised {
-        blocks: QuantMatrix,
+        blocks: PackedMatrix,
         /// The dequantised values, made the first time someone asks for a tensor.
         dense: OnceLock<Tensor>,
     },
 }
 
 impl Matrix {
+    /// GGUF blocks, repacked for the kernels.
     pub fn quantised(blocks: QuantMatrix) -> Self {
+        Self::packed(PackedMatrix::new(&blocks))
+    }
+
+    fn packed(blocks: PackedMatrix) -> Self {
         Self::Quantised {
             blocks,
             dense: OnceLock::new(),
@@ -47,7 +52,7 @@ impl Matrix {
         match self {
             Self::Dense(tensor) => tensor,
             Self::Quantised { blocks, dense } => {
-                dense.get_or_init(|| blocks.dequantise(Kind::Float, Device::Cpu))
+                dense.get_or_init(|| blocks.unpacked().dequantise(Kind::Float, Device::Cpu))
             }
         }
     }
@@ -75,7 +80,7 @@ impl Matrix {
     pub fn bytes(&self) -> usize {
         match self {
             Self::Dense(tensor) => tensor.numel() * tensor.kind().elt_size_in_bytes(),
-            Self::Quantised { blocks, .. } => blocks.data().len(),
+            Self::Quantised { blocks, .. } => blocks.bytes(),
         }
     }
 
@@ -83,7 +88,7 @@ impl Matrix {
     pub fn share(&self) -> Self {
         match self {
             Self::Dense(tensor) => Self::Dense(tensor.shallow_clone()),
-            Self::Quantised { blocks, .. } => Self::quantised(blocks.clone()),
+            Self::Quantised { blocks, .. } => Self::packed(blocks.clone()),
         }
     }
 
@@ -96,10 +101,11 @@ impl Matrix {
                     .expect("token ids are integers");
                 let mut shape = ids.size();
                 shape.push(blocks.cols() as i64);
-                blocks
-                    .dequantise_rows(&flat)
-                    .view(shape.as_slice())
-                    .to_device(ids.device())
+                dequantise_rows(blocks.cols(), &flat, |row, out| {
+                    blocks.dequantise_row(row, out)
+                })
+                .view(shape.as_slice())
+                .to_device(ids.device())
             }
         }
     }
@@ -110,7 +116,7 @@ impl Matrix {
         let blocks: Option<Vec<QuantMatrix>> = parts
             .iter()
             .map(|part| match part {
-                Self::Quantised { blocks, .. } => Some(blocks.clone()),
+                Self::Quantised { blocks, .. } => Some(blocks.unpacked()),
                 Self::Dense(_) => None,
             })
             .collect();
@@ -250,7 +256,7 @@ fn output_shape(x: &Tensor, out_features: i64) -> Vec<i64> {
 
 /// `x wᵀ` for quantised blocks, on the CPU threads `cpu` names; the activations are quantised
 /// first (see [`crate::quant_kernel`]), the result has `x`'s kind.
-fn quantised_forward(x: &Tensor, blocks: &QuantMatrix, cpu: &CpuPolicy) -> Tensor {
+fn quantised_forward(x: &Tensor, blocks: &PackedMatrix, cpu: &CpuPolicy) -> Tensor {
     let x32 = x.to_device(Device::Cpu).to_kind(Kind::Float).contiguous();
     let rows = x32.numel() / blocks.cols().max(1);
     let out_features = blocks.rows();
@@ -266,7 +272,7 @@ fn quantised_forward(x: &Tensor, blocks: &QuantMatrix, cpu: &CpuPolicy) -> Tenso
 
 /// `y = x wᵀ` for `x` of whole rows of `blocks.cols()` floats, output features split between
 /// `pool`'s threads.
-fn quantised_into(x: &[f32], blocks: &QuantMatrix, y: &mut [f32], pool: &SpinPool) {
+fn quantised_into(x: &[f32], blocks: &PackedMatrix, y: &mut [f32], pool: &SpinPool) {
     let activations = QuantisedRows::new(x, blocks.cols());
     let out_features = blocks.rows();
     assert_eq!(
@@ -276,21 +282,26 @@ fn quantised_into(x: &[f32], blocks: &QuantMatrix, y: &mut [f32], pool: &SpinPoo
     );
     let y_ptr = y.as_mut_ptr() as usize;
     let isa = quant_kernel::detected_isa();
-    split_columns(pool, out_features, &|first, len| {
-        // SAFETY: `isa` was detected on this CPU; y holds rows × out_features floats and
-        // each part writes only its own columns.
-        unsafe {
-            quant_kernel::columns(
-                isa,
-                &activations,
-                blocks,
-                y_ptr as *mut f32,
-                out_features,
-                first,
-                len,
-            )
-        }
-    });
+    split_columns(
+        pool,
+        out_features,
+        quant_kernel::COLUMN_ALIGN,
+        &|first, len| {
+            // SAFETY: `isa` was detected on this CPU; y holds rows × out_features floats and
+            // each part writes only its own columns.
+            unsafe {
+                quant_kernel::columns(
+                    isa,
+                    &activations,
+                    blocks,
+                    y_ptr as *mut f32,
+                    out_features,
+                    first,
+                    len,
+                )
+            }
+        },
+    );
 }
 
 /// Whether `t` is f32 on the CPU without gradients: what Headway's few-row code reads.
@@ -317,9 +328,14 @@ pub(crate) fn f32_slice_mut(t: &mut Tensor) -> &mut [f32] {
 }
 
 /// Runs `part(first, len)` for disjoint column ranges covering `0..columns`, one per thread of
-/// `pool`.
-fn split_columns(pool: &SpinPool, columns: usize, part: &(dyn Fn(usize, usize) + Sync)) {
-    let part_len = columns.div_ceil(pool.parallelism());
+/// `pool`, each starting at a multiple of `align`.
+fn split_columns(
+    pool: &SpinPool,
+    columns: usize,
+    align: usize,
+    part: &(dyn Fn(usize, usize) + Sync),
+) {
+    let part_len = columns.div_ceil(pool.parallelism()).next_multiple_of(align);
     pool.run(&|index| {
         let first = index * part_len;
         let len = part_len.min(columns.saturating_sub(first));
@@ -395,7 +411,7 @@ fn dense_into(x: &[f32], weight: &Tensor, y: &mut [f32], pool: &SpinPool) {
             gemm_columns(x, w_ptr as *const f32, y, product, first, len);
         }
     };
-    split_columns(pool, out_features, &run_part);
+    split_columns(pool, out_features, 1, &run_part);
 }
 
 /// Columns `first..first + len` of `y = x wᵀ` with the `gemm` crate (which packs `w` first).

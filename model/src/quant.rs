@@ -209,20 +209,27 @@ impl QuantMatrix {
         }
     }
 
-    /// Rows `ids` (each < `rows`) as an f32 `[ids.len(), cols]` CPU tensor: an embedding lookup.
-    pub fn dequantise_rows(&self, ids: &[i64]) -> Tensor {
-        let mut values = vec![0f32; ids.len() * self.cols];
-        for (&id, out) in ids.iter().zip(values.chunks_exact_mut(self.cols)) {
-            self.dequantise_row(id as usize, out);
-        }
-        Tensor::from_slice(&values).view([ids.len() as i64, self.cols as i64])
-    }
-
     /// Every value, as a dense `[rows, cols]` tensor of `kind` on `device`.
     pub fn dequantise(&self, kind: Kind, device: Device) -> Tensor {
         let ids: Vec<i64> = (0..self.rows as i64).collect();
-        self.dequantise_rows(&ids).to_kind(kind).to_device(device)
+        dequantise_rows(self.cols, &ids, |row, out| self.dequantise_row(row, out))
+            .to_kind(kind)
+            .to_device(device)
     }
+}
+
+/// Rows `ids` of a matrix `cols` wide, each written by `dequantise_row(row, out)`, as an f32
+/// `[ids.len(), cols]` CPU tensor: an embedding lookup.
+pub(crate) fn dequantise_rows(
+    cols: usize,
+    ids: &[i64],
+    dequantise_row: impl Fn(usize, &mut [f32]),
+) -> Tensor {
+    let mut values = vec![0f32; ids.len() * cols];
+    for (&id, out) in ids.iter().zip(values.chunks_exact_mut(cols)) {
+        dequantise_row(id as usize, out);
+    }
+    Tensor::from_slice(&values).view([ids.len() as i64, cols as i64])
 }
 
 /// Quantises `values` (`rows × cols`, `cols` a multiple of 32) the way llama.cpp's reference

@@ -1,64 +1,238 @@
-//! `y = x Wᵀ` for a [`QuantMatrix`] `W`, reading its blocks as stored.
+//! `y = x Wᵀ` for quantised weights, with the blocks repacked once at load ([`PackedMatrix`]) so
+//! that one vector holds eight output features.
 //!
 //! Activations are quantised first, per row and per 32-value block, to 8-bit integers with an f32
 //! scale (`d = max|x| / 127`, `q = round(x / d)`): llama.cpp's `Q8` activation format, but with
-//! an f32 rather than f16 scale. Each block product is an exact integer dot product; eight
-//! blocks' integers are reduced to one vector (lane `j` block `j` of the eight), converted and
-//! multiplied by the eight scales `d_w · d_x` in one FMA; `Q4_1`'s minimum adds `m_w · d_x Σq_x`
-//! in a second FMA on the same lanes. The result differs from the f32 product of the dequantised
-//! weights by the activations' rounding (a relative error of about 0.3 % per block, which
-//! averages out over a row; the parity tests state the bound).
+//! an f32 rather than f16 scale. The weights of eight consecutive output features are interleaved
+//! block by block: lane `j` of a 32-byte load holds four consecutive quants of feature `j`, so a
+//! broadcast of four activation quants and one `dpbusd` (or `maddubs`+`madd`) advance eight dot
+//! products at once, and after eight such steps lane `j` holds block `b`'s exact integer product
+//! for feature `j` — no horizontal reduction, and the unpacked weights serve every activation row
+//! of a tile. Each block then costs one FMA per lane (`Σq · d_w·d_x`), plus one for `Q4_1`'s
+//! minimum (`m_w · d_x Σq_x`, on its own accumulator). The result differs from the f32 product of
+//! the dequantised weights by the activations' rounding (about 0.3 % per block, averaging out over
+//! a row; the parity tests state the bound).
 //!
 //! Every output `y[r][o]` runs the same operations in the same order whatever the number of rows
 //! beside it, the thread split, or the instruction set: the integer sums are exact, so AVX2's
-//! `maddubs`+`madd` and AVX-512 VNNI's `dpbusd`, and any order of reducing them, give the same
-//! integers, and the float sequence (per eight blocks one or two FMAs per lane, then a fixed
-//! horizontal sum) is fixed. The portable fallback [`reference_dot`] replays that sequence lane by
-//! lane and is bit-identical, which the tests check.
+//! `maddubs`+`madd` and AVX-512 VNNI's `dpbusd`, in any grouping, give the same integers, and the
+//! float sequence (even blocks into one accumulator, odd into another, the minimum's terms into a
+//! third, then `(even + odd) + minimum`) is fixed. The portable fallback [`reference_dot`]
+//! replays that sequence and is bit-identical, which the tests check.
 //!
-//! Why eight blocks per vector: the scales of a block are scalars, and scaling each block's eight
-//! partial sums on its own (one conversion, a scalar product, a broadcast and an FMA per block)
-//! made the kernel compute-bound at about twice the instructions per block.
+//! Why interleave: the previous layout (blocks as GGUF stores them, one feature per vector) needed
+//! a tree of horizontal adds per block and row to bring eight blocks' sums into eight lanes; with
+//! one row that made the kernel compute-bound at about 2.5 times the instructions per block, and
+//! every extra row of a verified tree cost almost as much as the first.
 
-use crate::quant::{f16_at, QuantFormat, QuantMatrix, BLOCK};
+use std::sync::Arc;
 
-/// Lanes of the f32 accumulator and the integer sums: 8 (one AVX2 register), also the blocks
-/// whose scales one vector holds.
+use crate::quant::{dequantise_block, QuantFormat, QuantMatrix, BLOCK};
+
+/// Output features per interleaved group: the f32 lanes of one AVX2 register.
 const LANES: usize = 8;
+
+/// Activation quants one `dpbusd` lane takes: four bytes, broadcast to every lane.
+const GROUP: usize = 4;
+
+/// Four-quant groups per block: the vector steps of one block product.
+const STEPS: usize = BLOCK / GROUP;
+
+/// A quantised `[rows, cols]` matrix (one row per output feature, as [`QuantMatrix`]) with the
+/// blocks of every eight rows interleaved. Per eight rows ("octet") and block, in order: the eight
+/// f16 scales `d`; for `Q4_1` the eight f16 minimums `m`; then the quants. `Q4_0`/`Q4_1`: four
+/// 32-byte chunks, chunk `k`'s lane `j` (bytes `4j..4j+4`) holding row `j`'s elements
+/// `8k..8k+4` in the low nibbles and `8k+4..8k+8` in the high ones; `Q8_0`: eight chunks, chunk
+/// `g`'s lane `j` holding elements `4g..4g+4`. The bytes are as many as the GGUF's, plus zero
+/// rows up to a whole octet. Cloning shares the bytes.
+#[derive(Clone)]
+pub struct PackedMatrix {
+    format: QuantFormat,
+    rows: usize,
+    cols: usize,
+    data: Arc<[u8]>,
+}
+
+impl std::fmt::Debug for PackedMatrix {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "PackedMatrix({} [{}, {}])",
+            self.format.name(),
+            self.rows,
+            self.cols
+        )
+    }
+}
+
+impl PackedMatrix {
+    /// Interleaves `blocks`.
+    pub fn new(blocks: &QuantMatrix) -> Self {
+        let format = blocks.format();
+        let (rows, cols) = (blocks.rows(), blocks.cols());
+        let per_row = cols / BLOCK;
+        let octets = rows.div_ceil(LANES);
+        let mut data = vec![0u8; octets * per_row * octet_bytes(format)];
+        for (row, source) in blocks.data().chunks_exact(blocks.row_bytes()).enumerate() {
+            for (b, block) in source.chunks_exact(format.block_bytes()).enumerate() {
+                let at = (row / LANES * per_row + b) * octet_bytes(format);
+                pack_block(
+                    format,
+                    block,
+                    row % LANES,
+                    &mut data[at..][..octet_bytes(format)],
+                );
+            }
+        }
+        Self {
+            format,
+            rows,
+            cols,
+            data: data.into(),
+        }
+    }
+
+    /// The blocks in GGUF's layout again (for joins and dense copies).
+    pub fn unpacked(&self) -> QuantMatrix {
+        let mut data = Vec::with_capacity(self.rows * self.row_bytes());
+        for row in 0..self.rows {
+            for b in 0..self.cols / BLOCK {
+                data.extend_from_slice(&self.block(row, b));
+            }
+        }
+        QuantMatrix::new(self.format, self.rows, self.cols, data.into())
+            .expect("the sizes of a packed matrix")
+    }
+
+    pub fn format(&self) -> QuantFormat {
+        self.format
+    }
+
+    pub fn rows(&self) -> usize {
+        self.rows
+    }
+
+    pub fn cols(&self) -> usize {
+        self.cols
+    }
+
+    /// Bytes the kernels stream (the GGUF's, plus padding rows).
+    pub fn bytes(&self) -> usize {
+        self.data.len()
+    }
+
+    fn row_bytes(&self) -> usize {
+        self.cols / BLOCK * self.format.block_bytes()
+    }
+
+    /// Block `b` of row `row` in GGUF's layout.
+    fn block(&self, row: usize, b: usize) -> Vec<u8> {
+        let octet_bytes = octet_bytes(self.format);
+        let at = (row / LANES * (self.cols / BLOCK) + b) * octet_bytes;
+        unpack_block(self.format, &self.data[at..][..octet_bytes], row % LANES)
+    }
+
+    /// Row `row`'s values into `out` (`cols` floats).
+    pub fn dequantise_row(&self, row: usize, out: &mut [f32]) {
+        for (b, values) in out.chunks_exact_mut(BLOCK).enumerate() {
+            dequantise_block(self.format, &self.block(row, b), values);
+        }
+    }
+}
+
+/// Bytes of one octet's block: eight GGUF blocks.
+const fn octet_bytes(format: QuantFormat) -> usize {
+    LANES * format.block_bytes()
+}
+
+/// Bytes of the scales (and minimums) before an octet's quants.
+const fn scale_bytes(format: QuantFormat) -> usize {
+    match format {
+        QuantFormat::Q4_1 => 4 * LANES,
+        _ => 2 * LANES,
+    }
+}
+
+/// Where element `e` of lane `lane` lives in an octet's quants: byte, and for 4-bit formats
+/// whether it is the high nibble.
+fn quant_place(format: QuantFormat, lane: usize, e: usize) -> (usize, bool) {
+    match format {
+        QuantFormat::Q8_0 => (e / GROUP * 32 + lane * GROUP + e % GROUP, false),
+        _ => {
+            let (chunk, within) = (e / 8, e % 8);
+            (chunk * 32 + lane * GROUP + within % GROUP, within >= GROUP)
+        }
+    }
+}
+
+/// Element `e`'s quant in a GGUF block: the byte for `Q8_0`, the unsigned nibble for 4 bits.
+fn gguf_quant(format: QuantFormat, block: &[u8], e: usize) -> u8 {
+    let quants = &block[scale_bytes(format) / LANES..];
+    match format {
+        QuantFormat::Q8_0 => quants[e],
+        _ => (quants[e % (BLOCK / 2)] >> (4 * (e / (BLOCK / 2)))) & 0x0f,
+    }
+}
+
+/// Writes the GGUF `block` as lane `lane` of `octet`.
+fn pack_block(format: QuantFormat, block: &[u8], lane: usize, octet: &mut [u8]) {
+    let scale_words = scale_bytes(format) / LANES / 2;
+    for word in 0..scale_words {
+        octet[word * 2 * LANES + lane * 2..][..2].copy_from_slice(&block[word * 2..][..2]);
+    }
+    let quants = &mut octet[scale_bytes(format)..];
+    for e in 0..BLOCK {
+        let (at, high) = quant_place(format, lane, e);
+        quants[at] |= gguf_quant(format, block, e) << if high { 4 } else { 0 };
+    }
+}
+
+/// Lane `lane` of `octet` as a GGUF block.
+fn unpack_block(format: QuantFormat, octet: &[u8], lane: usize) -> Vec<u8> {
+    let mut block = vec![0u8; format.block_bytes()];
+    let scale_words = scale_bytes(format) / LANES / 2;
+    for word in 0..scale_words {
+        block[word * 2..][..2].copy_from_slice(&octet[word * 2 * LANES + lane * 2..][..2]);
+    }
+    let quants = &octet[scale_bytes(format)..];
+    let gguf_quants = &mut block[scale_words * 2..];
+    for e in 0..BLOCK {
+        let (at, high) = quant_place(format, lane, e);
+        let quant = if high { quants[at] >> 4 } else { quants[at] };
+        match format {
+            QuantFormat::Q8_0 => gguf_quants[e] = quant,
+            _ => gguf_quants[e % (BLOCK / 2)] |= (quant & 0x0f) << (4 * (e / (BLOCK / 2))),
+        }
+    }
+    block
+}
 
 /// Activation rows quantised to 8 bits per 32-value block.
 pub struct QuantisedRows {
     cols: usize,
     /// `rows × cols` quantised values.
     q: Vec<i8>,
-    /// Per block, each row padded with zeros to a whole number of [`LANES`] blocks (so that
-    /// eight blocks load as one vector): the scale `d`,
+    /// Per row and block: the scale `d`,
     d: Vec<f32>,
     /// `d · Σq`, what a weight minimum (`Q4_1`) multiplies,
     sum: Vec<f32>,
-    /// and `Σq` (`Q4_0`'s offset of 8 subtracts `8 Σq` from the unsigned weights' product).
-    q_sum: Vec<i32>,
+    /// and `8 Σq` (`Q4_0`'s offset of 8, subtracted from the unsigned weights' product).
+    offset: Vec<i32>,
 }
 
 impl QuantisedRows {
     /// Quantises `x`, `rows × cols` floats (`cols` a multiple of 32).
     pub fn new(x: &[f32], cols: usize) -> Self {
         assert!(cols.is_multiple_of(BLOCK), "rows of whole blocks");
-        let blocks_per_row = cols / BLOCK;
-        let stride = padded_blocks(blocks_per_row);
-        let padded = x.len() / cols.max(1) * stride;
+        let blocks = x.len() / BLOCK;
         let mut rows = Self {
             cols,
             q: vec![0; x.len()],
-            d: vec![0.0; padded],
-            sum: vec![0.0; padded],
-            q_sum: vec![0; padded],
+            d: Vec::with_capacity(blocks),
+            sum: Vec::with_capacity(blocks),
+            offset: Vec::with_capacity(blocks),
         };
-        for (at, (values, q)) in x
-            .chunks_exact(BLOCK)
-            .zip(rows.q.chunks_exact_mut(BLOCK))
-            .enumerate()
-        {
+        for (values, q) in x.chunks_exact(BLOCK).zip(rows.q.chunks_exact_mut(BLOCK)) {
             let amax = values.iter().fold(0f32, |a, v| a.max(v.abs()));
             let d = amax / 127.0;
             let inverse = if d != 0.0 { 1.0 / d } else { 0.0 };
@@ -67,23 +241,20 @@ impl QuantisedRows {
                 *q = (value * inverse).round() as i8;
                 total += i32::from(*q);
             }
-            let padded_at = at / blocks_per_row * stride + at % blocks_per_row;
-            rows.d[padded_at] = d;
-            rows.sum[padded_at] = d * total as f32;
-            rows.q_sum[padded_at] = total;
+            rows.d.push(d);
+            rows.sum.push(d * total as f32);
+            rows.offset.push(8 * total);
         }
         rows
+    }
+
+    fn rows(&self) -> usize {
+        self.q.len() / self.cols.max(1)
     }
 
     fn blocks_per_row(&self) -> usize {
         self.cols / BLOCK
     }
-}
-
-/// Entries per row of the per-block vectors of [`QuantisedRows`]: the blocks rounded up to whole
-/// vectors.
-fn padded_blocks(blocks: usize) -> usize {
-    blocks.div_ceil(LANES) * LANES
 }
 
 /// The instruction set [`columns`] runs on, chosen once per process.
@@ -114,10 +285,15 @@ pub fn detected_isa() -> Isa {
     Isa::Portable
 }
 
-/// Weight rows per block, activation rows per pass: as in [`crate::row_kernel`] (a block of
-/// quantised rows stays in L1/L2 while activation rows pass over it).
-const COLUMN_BLOCK: usize = 64;
+/// Octets per block of output features, activation rows per pass: a block of packed weights
+/// stays in L1/L2 while activation rows pass over it, and each octet's unpacked block serves
+/// [`ROW_BLOCK`] rows.
+const OCTET_BLOCK: usize = 8;
 const ROW_BLOCK: usize = 4;
+
+/// Output features a part of a split should start at a multiple of: whole octets, so that two
+/// threads never unpack the same weights.
+pub const COLUMN_ALIGN: usize = LANES;
 
 /// Computes columns `first..first + len` of `y = x wᵀ` (`y` row-major with `y_stride` floats per
 /// row) on `isa`.
@@ -128,28 +304,29 @@ const ROW_BLOCK: usize = 4;
 pub unsafe fn columns(
     isa: Isa,
     x: &QuantisedRows,
-    w: &QuantMatrix,
+    w: &PackedMatrix,
     y: *mut f32,
     y_stride: usize,
     first: usize,
     len: usize,
 ) {
     assert_eq!(x.cols, w.cols(), "activation and weight widths");
-    let rows = x.q.len() / x.cols.max(1);
-    let end = first + len;
-    let mut block = first;
-    while block < end {
-        let block_end = (block + COLUMN_BLOCK).min(end);
+    let (end, rows) = (first + len, x.rows());
+    let octets = first / LANES..end.div_ceil(LANES);
+    let mut block = octets.start;
+    while block < octets.end {
+        let block_end = (block + OCTET_BLOCK).min(octets.end);
         let mut row = 0;
         while row < rows {
             let rows_end = (row + ROW_BLOCK).min(rows);
-            for column in block..block_end {
-                let tile = Tile { row, column };
+            for octet in block..block_end {
+                let tile = Tile { row, octet };
+                let lanes = (octet * LANES).max(first)..(octet * LANES + LANES).min(end);
                 match rows_end - row {
-                    1 => tile.run::<1>(isa, x, w, y, y_stride),
-                    2 => tile.run::<2>(isa, x, w, y, y_stride),
-                    3 => tile.run::<3>(isa, x, w, y, y_stride),
-                    _ => tile.run::<4>(isa, x, w, y, y_stride),
+                    1 => tile.store::<1>(isa, x, w, y, y_stride, lanes),
+                    2 => tile.store::<2>(isa, x, w, y, y_stride, lanes),
+                    3 => tile.store::<3>(isa, x, w, y, y_stride, lanes),
+                    _ => tile.store::<4>(isa, x, w, y, y_stride, lanes),
                 }
             }
             row = rows_end;
@@ -158,27 +335,44 @@ pub unsafe fn columns(
     }
 }
 
-/// The outputs of weight row `column` and activation rows `row..row + R`.
+/// The outputs of octet `octet` (eight output features) and activation rows `row..row + R`.
 #[derive(Clone, Copy)]
 struct Tile {
     row: usize,
-    column: usize,
+    octet: usize,
 }
 
 impl Tile {
+    /// Runs the tile and writes the outputs of columns `lanes` (within this octet).
+    unsafe fn store<const R: usize>(
+        self,
+        isa: Isa,
+        x: &QuantisedRows,
+        w: &PackedMatrix,
+        y: *mut f32,
+        y_stride: usize,
+        lanes: std::ops::Range<usize>,
+    ) {
+        let out = self.run::<R>(isa, x, w);
+        for (r, values) in out.iter().enumerate() {
+            let y_row = y.add((self.row + r) * y_stride);
+            for column in lanes.clone() {
+                *y_row.add(column) = values[column - self.octet * LANES];
+            }
+        }
+    }
+
     unsafe fn run<const R: usize>(
         self,
         isa: Isa,
         x: &QuantisedRows,
-        w: &QuantMatrix,
-        y: *mut f32,
-        y_stride: usize,
-    ) {
+        w: &PackedMatrix,
+    ) -> [[f32; LANES]; R] {
         use QuantFormat::*;
         const Q4_0_CODE: u8 = Q4_0.code();
         const Q4_1_CODE: u8 = Q4_1.code();
         const Q8_0_CODE: u8 = Q8_0.code();
-        let out: [f32; R] = match (isa, w.format()) {
+        match (isa, w.format()) {
             #[cfg(target_arch = "x86_64")]
             (Isa::Vnni, Q4_0) => simd::tile_vnni::<Q4_0_CODE, R>(self, x, w),
             #[cfg(target_arch = "x86_64")]
@@ -191,198 +385,125 @@ impl Tile {
             (Isa::Avx2, Q4_1) => simd::tile_avx2::<Q4_1_CODE, R>(self, x, w),
             #[cfg(target_arch = "x86_64")]
             (Isa::Avx2, Q8_0) => simd::tile_avx2::<Q8_0_CODE, R>(self, x, w),
-            _ => std::array::from_fn(|r| reference_dot(w, self.column, x, self.row + r)),
-        };
-        for (r, value) in out.into_iter().enumerate() {
-            *y.add((self.row + r) * y_stride + self.column) = value;
+            _ => std::array::from_fn(|r| {
+                std::array::from_fn(|lane| {
+                    let column = (self.octet * LANES + lane).min(w.rows().max(1) - 1);
+                    reference_dot(w, column, x, self.row + r)
+                })
+            }),
         }
     }
 }
 
-/// One weight block's integers in element order: `Q4_1`'s 0..15, `Q4_0`'s −8..7, `Q8_0`'s bytes.
-fn block_values(format: QuantFormat, block: &[u8]) -> [i8; BLOCK] {
-    let mut out = [0i8; BLOCK];
-    match format {
-        QuantFormat::Q4_0 | QuantFormat::Q4_1 => {
-            let (nibbles, offset) = match format {
-                QuantFormat::Q4_0 => (&block[2..18], 8),
-                _ => (&block[4..20], 0),
-            };
-            for (j, &byte) in nibbles.iter().enumerate() {
-                out[j] = (byte & 0x0f) as i8 - offset;
-                out[j + BLOCK / 2] = (byte >> 4) as i8 - offset;
-            }
-        }
-        QuantFormat::Q8_0 => {
-            for (o, &b) in out.iter_mut().zip(&block[2..2 + BLOCK]) {
-                *o = b as i8;
-            }
-        }
-    }
-    out
-}
-
-/// `y[row][column]` computed one lane at a time, in exactly the order the SIMD tiles use.
-pub fn reference_dot(w: &QuantMatrix, column: usize, x: &QuantisedRows, row: usize) -> f32 {
+/// `y[row][column]`, in exactly the order the SIMD tiles use.
+pub fn reference_dot(w: &PackedMatrix, column: usize, x: &QuantisedRows, row: usize) -> f32 {
     let format = w.format();
-    let block_bytes = format.block_bytes();
-    let w_row = &w.data()[column * w.row_bytes()..(column + 1) * w.row_bytes()];
     let blocks = x.blocks_per_row();
-    let mut lanes = [0f32; LANES];
-    for group in (0..blocks).step_by(LANES) {
-        for (lane, acc) in lanes.iter_mut().enumerate() {
-            let (b, at) = (group + lane, row * padded_blocks(blocks) + group + lane);
-            // Lanes past the last block hold zeros, and run the same FMAs.
-            let (total, d_w, m_w) = match w_row.get(b * block_bytes..(b + 1) * block_bytes) {
-                Some(block) => {
-                    let xq = &x.q[(row * blocks + b) * BLOCK..][..BLOCK];
-                    let total: i32 = block_values(format, block)
-                        .iter()
-                        .zip(xq)
-                        .map(|(&w, &x)| i32::from(w) * i32::from(x))
-                        .sum();
-                    (total, f16_at(block, 0), f16_at(block, 2))
-                }
-                None => (0, 0.0, 0.0),
-            };
-            *acc = (total as f32).mul_add(d_w * x.d[at], *acc);
-            if format == QuantFormat::Q4_1 {
-                *acc = m_w.mul_add(x.sum[at], *acc);
-            }
+    let (mut halves, mut minimum) = ([0f32; 2], 0f32);
+    for b in 0..blocks {
+        let block = w.block(column, b);
+        let at = row * blocks + b;
+        let xq = &x.q[at * BLOCK..][..BLOCK];
+        let mut total: i32 = (0..BLOCK)
+            .map(|e| {
+                let quant = gguf_quant(format, &block, e);
+                let quant = match format {
+                    QuantFormat::Q8_0 => i32::from(quant as i8),
+                    _ => i32::from(quant),
+                };
+                quant * i32::from(xq[e])
+            })
+            .sum();
+        if format == QuantFormat::Q4_0 {
+            total -= x.offset[at];
+        }
+        let d_w = crate::quant::f16_at(&block, 0);
+        let half = &mut halves[b % 2];
+        *half = (total as f32).mul_add(d_w * x.d[at], *half);
+        if format == QuantFormat::Q4_1 {
+            minimum = crate::quant::f16_at(&block, 2).mul_add(x.sum[at], minimum);
         }
     }
-    horizontal_sum(lanes)
-}
-
-/// The order `simd::horizontal_sum` adds 8 lanes in: halves, then pairs, then the last two.
-fn horizontal_sum(l: [f32; LANES]) -> f32 {
-    let quad = [l[0] + l[4], l[1] + l[5], l[2] + l[6], l[3] + l[7]];
-    let pair = [quad[0] + quad[2], quad[1] + quad[3]];
-    pair[0] + pair[1]
+    let y = halves[0] + halves[1];
+    match format {
+        QuantFormat::Q4_1 => y + minimum,
+        _ => y,
+    }
 }
 
 #[cfg(target_arch = "x86_64")]
 mod simd {
     use std::arch::x86_64::*;
 
-    use super::{padded_blocks, QuantisedRows, Tile, BLOCK, LANES};
-    use crate::quant::{QuantFormat, QuantMatrix};
+    use super::{octet_bytes, scale_bytes, PackedMatrix, QuantisedRows, Tile};
+    use super::{BLOCK, GROUP, LANES, STEPS};
+    use crate::quant::QuantFormat;
 
-    /// The kernel for one instruction set: `$dot4` sums four adjacent products of unsigned and
-    /// signed bytes into each i32 lane.
+    /// One octet's block unpacked: per four-quant step, the weights as unsigned bytes, and for
+    /// `Q8_0` the signed bytes whose signs move onto the activations (zeros otherwise).
+    struct Weights {
+        unsigned: [__m256i; STEPS],
+        signs: [__m256i; STEPS],
+    }
+
+    /// The kernel for one instruction set: `$dot4` adds four adjacent products of unsigned and
+    /// signed bytes to each i32 lane.
     macro_rules! tile_kernel {
         ($name:ident, $features:literal, $dot4:ident) => {
             #[target_feature(enable = $features)]
             pub(crate) unsafe fn $name<const FORMAT: u8, const R: usize>(
                 tile: Tile,
                 x: &QuantisedRows,
-                w: &QuantMatrix,
-            ) -> [f32; R] {
+                w: &PackedMatrix,
+            ) -> [[f32; LANES]; R] {
                 // A constant in each instance, so that every format gets its own loop.
                 let format = QuantFormat::from_code(FORMAT);
-                let block_bytes = format.block_bytes();
-                let w_row = w.data().as_ptr().add(tile.column * w.row_bytes());
                 let blocks = x.blocks_per_row();
-                let stride = padded_blocks(blocks);
-                let lane_ids = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
-                let offsets = _mm256_mullo_epi32(lane_ids, _mm256_set1_epi32(block_bytes as i32));
-                let mut acc = [_mm256_setzero_ps(); R];
-                for group in (0..blocks).step_by(LANES) {
-                    let count = (blocks - group).min(LANES);
-                    let first = w_row.add(group * block_bytes);
-                    // Lane j: block j's exact integer product with each row (four blocks per
-                    // half; a group of up to four leaves the upper half zero).
-                    let mut halves = [[_mm_setzero_si128(); 2]; R];
-                    for quad in 0..count.div_ceil(4) {
-                        let mut pairs = [[_mm256_setzero_si256(); 2]; R];
-                        for (pair, offset) in [(0, 0), (1, 2)] {
-                            let j = quad * 4 + offset;
-                            let a =
-                                block_products::<FORMAT, R>(first, j, count, x, tile.row, group);
-                            let b = block_products::<FORMAT, R>(
-                                first,
-                                j + 1,
-                                count,
-                                x,
-                                tile.row,
-                                group,
-                            );
-                            for r in 0..R {
-                                pairs[r][pair] = _mm256_hadd_epi32(a[r], b[r]);
-                            }
-                        }
-                        for r in 0..R {
-                            let four = _mm256_hadd_epi32(pairs[r][0], pairs[r][1]);
-                            halves[r][quad] = _mm_add_epi32(
-                                _mm256_castsi256_si128(four),
-                                _mm256_extracti128_si256(four, 1),
-                            );
-                        }
-                    }
-                    let valid = _mm256_cmpgt_epi32(_mm256_set1_epi32(count as i32), lane_ids);
-                    // Each block's first four bytes: `d` (and `Q4_1`'s `m`).
-                    let words = _mm256_mask_i32gather_epi32(
-                        _mm256_setzero_si256(),
-                        first as *const i32,
-                        offsets,
-                        valid,
-                        1,
-                    );
-                    let d_w = f16_lanes(_mm256_and_si256(words, _mm256_set1_epi32(0xffff)));
+                let mut at = w
+                    .data
+                    .as_ptr()
+                    .add(tile.octet * blocks * octet_bytes(format));
+                let mut halves = [[_mm256_setzero_ps(); 2]; R];
+                let mut minimum = [_mm256_setzero_ps(); R];
+                for b in 0..blocks {
+                    let d_w = _mm256_cvtph_ps(_mm_loadu_si128(at as *const __m128i));
+                    let m_w = _mm256_cvtph_ps(_mm_loadu_si128(at.add(16) as *const __m128i));
+                    let weights = unpack(format, at.add(scale_bytes(format)));
                     for r in 0..R {
-                        let at = (tile.row + r) * stride + group;
-                        let mut ints = _mm256_set_m128i(halves[r][1], halves[r][0]);
+                        let block_at = (tile.row + r) * blocks + b;
+                        let xq = x.q.as_ptr().add(block_at * BLOCK);
+                        let mut ints = _mm256_setzero_si256();
+                        let mut odd = _mm256_setzero_si256();
+                        for step in (0..STEPS).step_by(2) {
+                            let even_x = activations::<FORMAT>(&weights, step, xq);
+                            let odd_x = activations::<FORMAT>(&weights, step + 1, xq);
+                            ints = $dot4(ints, weights.unsigned[step], even_x);
+                            odd = $dot4(odd, weights.unsigned[step + 1], odd_x);
+                        }
+                        ints = _mm256_add_epi32(ints, odd);
                         if format == QuantFormat::Q4_0 {
-                            let q_sum =
-                                _mm256_loadu_si256(x.q_sum.as_ptr().add(at) as *const __m256i);
-                            ints = _mm256_sub_epi32(ints, _mm256_slli_epi32(q_sum, 3));
+                            let offset = _mm256_set1_epi32(*x.offset.get_unchecked(block_at));
+                            ints = _mm256_sub_epi32(ints, offset);
                         }
-                        let scale = _mm256_mul_ps(d_w, _mm256_loadu_ps(x.d.as_ptr().add(at)));
-                        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(ints), scale, acc[r]);
+                        let scale =
+                            _mm256_mul_ps(d_w, _mm256_set1_ps(*x.d.get_unchecked(block_at)));
+                        let half = &mut halves[r][b % 2];
+                        *half = _mm256_fmadd_ps(_mm256_cvtepi32_ps(ints), scale, *half);
                         if format == QuantFormat::Q4_1 {
-                            let m_w = f16_lanes(_mm256_srli_epi32(words, 16));
-                            let sums = _mm256_loadu_ps(x.sum.as_ptr().add(at));
-                            acc[r] = _mm256_fmadd_ps(m_w, sums, acc[r]);
+                            let sum = _mm256_set1_ps(*x.sum.get_unchecked(block_at));
+                            minimum[r] = _mm256_fmadd_ps(m_w, sum, minimum[r]);
                         }
                     }
+                    at = at.add(octet_bytes(format));
                 }
-                std::array::from_fn(|r| horizontal_sum(acc[r]))
-            }
-
-            /// Block `j` of the group at `first`: its integer products with rows
-            /// `row..row + R` in 8 lanes (zeros past `count`); `Q4_0`'s weights unsigned
-            /// (0..15, the offset subtracted per group).
-            #[target_feature(enable = $features)]
-            #[inline]
-            unsafe fn block_products<const FORMAT: u8, const R: usize>(
-                first: *const u8,
-                j: usize,
-                count: usize,
-                x: &QuantisedRows,
-                row: usize,
-                group: usize,
-            ) -> [__m256i; R] {
-                let format = QuantFormat::from_code(FORMAT);
-                if j >= count {
-                    return [_mm256_setzero_si256(); R];
-                }
-                let block = first.add(j * format.block_bytes());
-                let (weights, signs) = match format {
-                    QuantFormat::Q4_1 => (nibbles(block.add(4)), None),
-                    QuantFormat::Q4_0 => (nibbles(block.add(2)), None),
-                    QuantFormat::Q8_0 => {
-                        let signed = _mm256_loadu_si256(block.add(2) as *const __m256i);
-                        (_mm256_sign_epi8(signed, signed), Some(signed))
-                    }
-                };
-                let blocks = x.blocks_per_row();
                 std::array::from_fn(|r| {
-                    let at = (row + r) * blocks + group + j;
-                    let mut xv = _mm256_loadu_si256(x.q.as_ptr().add(at * BLOCK) as *const __m256i);
-                    if let Some(signs) = signs {
-                        xv = _mm256_sign_epi8(xv, signs);
+                    let mut y = _mm256_add_ps(halves[r][0], halves[r][1]);
+                    if format == QuantFormat::Q4_1 {
+                        y = _mm256_add_ps(y, minimum[r]);
                     }
-                    $dot4(weights, xv)
+                    let mut out = [0f32; LANES];
+                    _mm256_storeu_ps(out.as_mut_ptr(), y);
+                    out
                 })
             }
         };
@@ -399,45 +520,59 @@ mod simd {
     pub(super) use avx2::tile as tile_avx2;
     pub(super) use vnni::tile as tile_vnni;
 
+    /// Step `step`'s four activation quants at `xq`, broadcast, signed by `Q8_0`'s weights.
     #[inline]
     #[target_feature(enable = "avx2")]
-    unsafe fn dot4_avx2(unsigned: __m256i, signed: __m256i) -> __m256i {
-        _mm256_madd_epi16(_mm256_maddubs_epi16(unsigned, signed), _mm256_set1_epi16(1))
-    }
-
-    #[inline]
-    #[target_feature(enable = "avx512vnni,avx512vl")]
-    unsafe fn dot4_vnni(unsigned: __m256i, signed: __m256i) -> __m256i {
-        _mm256_dpbusd_epi32(_mm256_setzero_si256(), unsigned, signed)
-    }
-
-    /// 16 bytes of nibbles at `at` as 32 bytes in element order (low nibbles first).
-    #[inline]
-    #[target_feature(enable = "avx2")]
-    unsafe fn nibbles(at: *const u8) -> __m256i {
-        let packed = _mm_loadu_si128(at as *const __m128i);
-        let mask = _mm_set1_epi8(0x0f);
-        let low = _mm_and_si128(packed, mask);
-        let high = _mm_and_si128(_mm_srli_epi16(packed, 4), mask);
-        _mm256_set_m128i(high, low)
-    }
-
-    /// The f16 bit patterns in the low 16 bits of each i32 lane (the rest zero) as f32 lanes.
-    #[inline]
-    #[target_feature(enable = "avx2,f16c")]
-    unsafe fn f16_lanes(bits: __m256i) -> __m256 {
-        // Lanes 0-3 and 4-7 packed into the low quadword of each half, then the halves joined.
-        let packed = _mm256_packus_epi32(bits, bits);
-        let ordered = _mm256_permute4x64_epi64(packed, 0b00_00_10_00);
-        _mm256_cvtph_ps(_mm256_castsi256_si128(ordered))
+    unsafe fn activations<const FORMAT: u8>(
+        weights: &Weights,
+        step: usize,
+        xq: *const i8,
+    ) -> __m256i {
+        let four = _mm256_set1_epi32((xq.add(step * GROUP) as *const i32).read_unaligned());
+        if FORMAT == QuantFormat::Q8_0.code() {
+            _mm256_sign_epi8(four, weights.signs[step])
+        } else {
+            four
+        }
     }
 
     #[inline]
     #[target_feature(enable = "avx2")]
-    unsafe fn horizontal_sum(v: __m256) -> f32 {
-        let quad = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-        let pair = _mm_add_ps(quad, _mm_movehl_ps(quad, quad));
-        _mm_cvtss_f32(_mm_add_ss(pair, _mm_shuffle_ps(pair, pair, 1)))
+    unsafe fn dot4_avx2(acc: __m256i, unsigned: __m256i, signed: __m256i) -> __m256i {
+        let pairs = _mm256_maddubs_epi16(unsigned, signed);
+        _mm256_add_epi32(acc, _mm256_madd_epi16(pairs, _mm256_set1_epi16(1)))
+    }
+
+    #[inline]
+    #[target_feature(enable = "avx2,avx512vnni,avx512vl")]
+    unsafe fn dot4_vnni(acc: __m256i, unsigned: __m256i, signed: __m256i) -> __m256i {
+        _mm256_dpbusd_epi32(acc, unsigned, signed)
+    }
+
+    /// The quants at `at` (see [`PackedMatrix`]) as one [`Weights`].
+    #[inline]
+    #[target_feature(enable = "avx2")]
+    unsafe fn unpack(format: QuantFormat, at: *const u8) -> Weights {
+        let mut weights = Weights {
+            unsigned: [_mm256_setzero_si256(); STEPS],
+            signs: [_mm256_setzero_si256(); STEPS],
+        };
+        if format == QuantFormat::Q8_0 {
+            for step in 0..STEPS {
+                let signed = _mm256_loadu_si256(at.add(step * 32) as *const __m256i);
+                weights.unsigned[step] = _mm256_sign_epi8(signed, signed);
+                weights.signs[step] = signed;
+            }
+        } else {
+            let mask = _mm256_set1_epi8(0x0f);
+            for chunk in 0..STEPS / 2 {
+                let packed = _mm256_loadu_si256(at.add(chunk * 32) as *const __m256i);
+                weights.unsigned[2 * chunk] = _mm256_and_si256(packed, mask);
+                weights.unsigned[2 * chunk + 1] =
+                    _mm256_and_si256(_mm256_srli_epi16(packed, 4), mask);
+            }
+        }
+        weights
     }
 }
 
@@ -449,10 +584,17 @@ mod tests {
 
     const FORMATS: [QuantFormat; 3] = [QuantFormat::Q4_0, QuantFormat::Q4_1, QuantFormat::Q8_0];
 
-    fn product(isa: Isa, x: &QuantisedRows, w: &QuantMatrix, rows: usize) -> Vec<f32> {
-        let mut y = vec![f32::NAN; rows * w.rows()];
+    /// Columns `first..first + len` of the product, the rest left NaN.
+    fn product(
+        isa: Isa,
+        x: &QuantisedRows,
+        w: &PackedMatrix,
+        first: usize,
+        len: usize,
+    ) -> Vec<f32> {
+        let mut y = vec![f32::NAN; x.rows() * w.rows()];
         // SAFETY: every isa passed here was detected; y holds rows × w.rows() floats.
-        unsafe { columns(isa, x, w, y.as_mut_ptr(), w.rows(), 0, w.rows()) };
+        unsafe { columns(isa, x, w, y.as_mut_ptr(), w.rows(), first, len) };
         y
     }
 
@@ -466,14 +608,33 @@ mod tests {
         isas
     }
 
+    /// Packing keeps every byte: unpacking gives the GGUF blocks back, and rows dequantise alike.
+    #[test]
+    fn packing_then_unpacking_gives_the_blocks_back() {
+        for format in FORMATS {
+            let (rows, cols) = (13, 96);
+            let blocks = quantise(format, &random(rows * cols, 5), rows, cols);
+            let packed = PackedMatrix::new(&blocks);
+            assert_eq!(packed.unpacked().data(), blocks.data(), "{format:?}");
+            assert_eq!(packed.bytes(), 16 * cols / BLOCK * format.block_bytes());
+            let (mut a, mut b) = (vec![0f32; cols], vec![1f32; cols]);
+            for row in 0..rows {
+                blocks.dequantise_row(row, &mut a);
+                packed.dequantise_row(row, &mut b);
+                assert_eq!(a, b, "{format:?} row {row}");
+            }
+        }
+    }
+
     /// Every instruction set gives the reference's bits, for every row count up to the largest
-    /// verified tree and past the kernels' blocks (64 weight rows, 4 activation rows).
+    /// verified tree and past the kernels' tiles (eight octets, four activation rows), and for
+    /// column ranges that split octets.
     #[test]
     fn every_instruction_set_and_row_count_gives_the_same_bits() {
-        // 3 blocks per row (one partial group of eight) and 11 (a whole group and a partial one).
         for (format, cols) in FORMATS.into_iter().flat_map(|f| [(f, 96), (f, 352)]) {
+            // 131 features: sixteen whole octets and a partial one.
             let out = 131;
-            let w = quantise(format, &random(out * cols, 1), out, cols);
+            let w = PackedMatrix::new(&quantise(format, &random(out * cols, 1), out, cols));
             let rows = 65;
             let xs = random(rows * cols, 2);
             let all = QuantisedRows::new(&xs, cols);
@@ -482,18 +643,19 @@ mod tests {
                 .map(|(r, c)| reference_dot(&w, c, &all, r))
                 .collect();
             for isa in isas() {
-                assert_eq!(
-                    product(isa, &all, &w, rows),
-                    reference,
-                    "{format:?} {isa:?}, {cols} columns"
-                );
+                let what = format!("{format:?} {isa:?}, {cols} columns");
+                assert_eq!(product(isa, &all, &w, 0, out), reference, "{what}");
                 for count in [1, 2, 3, 5, 17] {
                     let some = QuantisedRows::new(&xs[..count * cols], cols);
-                    assert_eq!(
-                        product(isa, &some, &w, count),
-                        reference[..count * out],
-                        "{format:?} {isa:?} {count} rows, {cols} columns"
-                    );
+                    let got = product(isa, &some, &w, 0, out);
+                    assert_eq!(got, reference[..count * out], "{what}, {count} rows");
+                }
+                let part = product(isa, &all, &w, 5, 70);
+                for (at, (got, want)) in part.iter().zip(&reference).enumerate() {
+                    match at % out {
+                        5..75 => assert_eq!(got, want, "{what}, columns 5..75"),
+                        _ => assert!(got.is_nan(), "{what}: column {} written", at % out),
+                    }
                 }
             }
         }
@@ -505,9 +667,9 @@ mod tests {
     fn products_match_the_dequantised_weights_within_activation_rounding() {
         for format in FORMATS {
             let (out, cols, rows) = (40, 576, 3);
-            let w = quantise(format, &random(out * cols, 3), out, cols);
+            let w = PackedMatrix::new(&quantise(format, &random(out * cols, 3), out, cols));
             let xs = random(rows * cols, 4);
-            let got = product(detected_isa(), &QuantisedRows::new(&xs, cols), &w, rows);
+            let got = product(detected_isa(), &QuantisedRows::new(&xs, cols), &w, 0, out);
             let mut dense = vec![0f32; cols];
             let mut worst = 0f32;
             let mut scale = 0f32;
