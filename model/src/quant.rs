@@ -2,8 +2,9 @@
 //! decoding streams the 4.5–8.5 bits per weight the file holds instead of 32.
 //!
 //! A [`QuantMatrix`] is `[rows, cols]` in the HF layout (one weight row per output feature), each
-//! row a run of 32-element blocks exactly as GGUF stores them. [`crate::quant_kernel`] multiplies
-//! activations by it without widening it; [`QuantMatrix::dequantise`] gives the f32 values the
+//! row a run of 32-element blocks exactly as GGUF stores them. [`crate::quant_kernel`] interleaves
+//! its rows by eight ([`crate::quant_kernel::PackedMatrix`], the same bytes) and multiplies
+//! activations by them without widening them; [`QuantMatrix::dequantise`] gives the f32 values the
 //! blocks stand for, with candle's (and so `convert`'s) arithmetic, for the paths that need a
 //! dense tensor (heads that copy the target's embeddings or LM head, GPUs).
 
