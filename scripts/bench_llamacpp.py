@@ -14,6 +14,10 @@
    compared; prefill and decoding rates, host bandwidth and resident memory from its report.
 3. ``llama-bench -p 512 -n 128`` (llama.cpp's synthetic prefill and decoding figures).
 
+Where llama.cpp's repacked (AMX) kernels die on this host (seen on a VM whose Xeon reports AMX:
+SIGILL or SIGSEGV in ``tinygemm_kernel_amx<block_q8_1, block_q4_1>``), both tools run with repacking off
+(``--no-repack`` / ``--repack 0``), and the report says so.
+
 Decoding rates exclude the prompt's forward on both sides (llama.cpp: "eval time"; Headway: new
 tokens after the first over the time after the first). Ratios are Headway / llama.cpp within one
 round; the table gives every round.
@@ -26,6 +30,7 @@ import hashlib
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
 import tarfile
@@ -107,7 +112,24 @@ def chat_prompts(gguf: Path, questions: Path) -> list[str]:
 TIMING = re.compile(r"(prompt eval|eval) time =\s*([\d.]+) ms /\s*(\d+) (?:tokens|runs)")
 
 
-def run_llamacpp(bin_dir: Path, gguf: Path, prompts: list[str], threads: int, new: int) -> dict:
+def repack_runs(bin_dir: Path, gguf: Path, threads: int) -> bool:
+    """Whether llama.cpp's default (repacking) kernels run here: one short generation."""
+    command = [bin_dir / "llama-completion", "-m", gguf, "-t", str(threads), "-n", "4",
+               "--temp", "0", "-no-cnv", "-p", "Hello"]
+    result = subprocess.run(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                            errors="replace")
+    if result.returncode < 0:
+        name = signal.Signals(-result.returncode).name
+        print(f"llama.cpp's repacked kernels die with {name} on this host: running it with "
+              "repacking off", file=sys.stderr)
+        return False
+    if result.returncode != 0:
+        sys.exit(f"llama-completion failed:\n{result.stderr[-2000:]}")
+    return True
+
+
+def run_llamacpp(bin_dir: Path, gguf: Path, prompts: list[str], threads: int, new: int,
+                 repack: bool) -> dict:
     """llama-completion on every prompt: totals of its own prefill and decoding timings."""
     totals = {"prompt_tokens": 0, "prefill_ms": 0.0, "new_tokens": 0, "decode_ms": 0.0,
               "peak_rss_bytes": 0}
@@ -116,7 +138,8 @@ def run_llamacpp(bin_dir: Path, gguf: Path, prompts: list[str], threads: int, ne
             prompt_file, log = Path(scratch) / "prompt.txt", Path(scratch) / "stderr.txt"
             prompt_file.write_text(prompt)
             command = [bin_dir / "llama-completion", "-m", gguf, "-t", str(threads), "-n", str(new),
-                       "--temp", "0", "-no-cnv", "--no-display-prompt", "-f", prompt_file]
+                       "--temp", "0", "-no-cnv", "--no-display-prompt", "-f", prompt_file,
+                       *([] if repack else ["--no-repack"])]
             with log.open("w") as stderr:
                 process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=stderr)
                 # wait4, not wait: this child's own peak resident set (Linux: kilobytes).
@@ -137,11 +160,11 @@ def run_llamacpp(bin_dir: Path, gguf: Path, prompts: list[str], threads: int, ne
     return totals
 
 
-def run_llama_bench(bin_dir: Path, gguf: Path, threads: int) -> dict:
+def run_llama_bench(bin_dir: Path, gguf: Path, threads: int, repack: bool) -> dict:
     """llama-bench's pp512 and tg128 in tokens/s."""
     out = subprocess.run([bin_dir / "llama-bench", "-m", gguf, "-t", str(threads), "-p", "512",
-                          "-n", "128", "-r", "3", "-o", "json"], check=True, capture_output=True,
-                         text=True).stdout
+                          "-n", "128", "-r", "3", "--repack", str(int(repack)), "-o", "json"],
+                         check=True, capture_output=True, text=True).stdout
     rates = {}
     for row in json.loads(out):
         name = "pp512" if row["n_prompt"] else "tg128"
@@ -175,19 +198,21 @@ def main() -> None:
     gguf = args.gguf or smollm2_gguf()
     bin_dir = build_llamacpp(args.home, jobs=args.threads)
     prompts = chat_prompts(gguf, args.questions)
+    repack = repack_runs(bin_dir, gguf, args.threads)
     rounds = []
     with tempfile.TemporaryDirectory() as scratch:
         for index in range(args.rounds):
-            llama = run_llamacpp(bin_dir, gguf, prompts, args.threads, args.max_new_tokens)
+            llama = run_llamacpp(bin_dir, gguf, prompts, args.threads, args.max_new_tokens, repack)
             report = run_headway(args.headway_bin, gguf, args.questions, args.threads,
                                  args.max_new_tokens, args.method.split(),
                                  Path(scratch) / f"headway-{index}.json")
-            synthetic = run_llama_bench(bin_dir, gguf, args.threads)
+            synthetic = run_llama_bench(bin_dir, gguf, args.threads, repack)
             rounds.append(summarise(llama, report, synthetic))
             print_round(index + 1, rounds[-1])
     if args.json:
         args.json.write_text(json.dumps({"gguf": str(gguf), "threads": args.threads,
                                          "max_new_tokens": args.max_new_tokens,
+                                         "llamacpp_repack": repack,
                                          "rounds": rounds}, indent=2))
 
 
