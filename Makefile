@@ -107,11 +107,14 @@ bench: model build ref-env
 # llama.cpp (built once from the source in PyPI's llama-cpp-python sdist, under HEADWAY_HOME) and
 # Headway on the SmolLM2 Q4_1 GGUF as stored: the same 8 Spec-Bench prompts, 128 new tokens,
 # 2 threads, rounds alternating; prefill and decoding rates, Headway's drafter (LLAMACPP_METHOD)
-# against its plain decoding, resident memory, host bandwidth (scripts/bench_llamacpp.py).
+# against its plain decoding, resident memory, host bandwidth (scripts/bench_llamacpp.py); vLLM's
+# CPU build beside them on the f32 directory of the same model (its own venv, VLLM_ENV below).
 LLAMACPP_METHOD ?= --method lookup
-bench-llamacpp: model build ref-env
+VLLM_ENV := $(HEADWAY_HOME)/vllm-env
+bench-llamacpp: model build ref-env $(VLLM_ENV)/.installed
 	$(PYTHON) scripts/bench_llamacpp.py --headway-bin $(BIN) --questions $(QUESTIONS) --threads 2 \
-		--rounds 2 --method "$(LLAMACPP_METHOD)" --json bench-llamacpp.json
+		--rounds 2 --method "$(LLAMACPP_METHOD)" --vllm-python $(VLLM_ENV)/bin/python \
+		--json bench-llamacpp.json
 
 # prepare throughput on 200 ShareGPT conversations against the same forward in PyTorch.
 # Speculative decoding on Spec-Bench with the committed EAGLE head (pretrained/), against plain
@@ -176,7 +179,6 @@ bench-eagle3: model data build interop-env
 # vLLM's CPU build (its own venv: it pins torch 2.13) serving an EAGLE-3, an EAGLE-1 and a Medusa
 # export of heads briefly trained on EAGLE3_FEATURES with its own speculative decoding: each loads,
 # greedy replies equal plain decoding's, drafted tokens get accepted (scripts/interop/vllm_spec.py).
-VLLM_ENV := $(HEADWAY_HOME)/vllm-env
 VLLM_CHECK_DIR ?= /tmp/headway-interop-vllm
 $(VLLM_ENV)/.installed: scripts/interop/vllm_env.sh
 	rm -rf $(VLLM_ENV)

