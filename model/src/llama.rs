@@ -584,7 +584,12 @@ impl Llama {
     ) -> Result<ForwardOutput> {
         let past = cache.as_ref().map_or(0, |c| c.len());
         self.check_input(input, past)?;
-        let x = self.embed_tokens.rows(input.input_ids);
+        // Activations run in the kind of the model's vectors; the matrices may be stored
+        // narrower (`crate::target::activation_kind`).
+        let x = self
+            .embed_tokens
+            .rows(input.input_ids)
+            .to_kind(self.norm.weight.kind());
         let rope = self.rotary.cos_sin(input.positions, x.kind());
         let mut taps: Vec<Option<Tensor>> = input.taps.iter().map(|_| None).collect();
         let x = DecoderLayer::run_stack(

@@ -102,14 +102,19 @@ pub struct Target {
     pub chat_template: Option<ChatTemplate>,
     /// Generation stops at any of these: the config's EOS ids plus the chat end-of-turn token.
     pub stop_ids: Vec<u32>,
+    /// The kind activations, caches and hidden-state features run in.
     pub kind: Kind,
+    /// The kind the dense weight matrices are stored in: `kind`, or bf16 under f32 activations
+    /// (see [`activation_kind`]).
+    pub weight_kind: Kind,
     pub device: Device,
     /// The CPU threads it runs on (shared with models that run beside it: a draft model).
     pub cpu: CpuThreads,
 }
 
 impl Target {
-    /// Loads the HF directory `dir` with weights in `kind` on `device`, running CPU work on `cpu`.
+    /// Loads the HF directory `dir` with weights in `kind` on `device`, running CPU work on `cpu`;
+    /// activations run in [`activation_kind`].
     pub fn load(dir: &Path, kind: Kind, device: Device, cpu: CpuThreads) -> Result<Self> {
         if !dir.is_dir() {
             return Err(ModelError::io(
@@ -123,14 +128,20 @@ impl Target {
         let config = ModelConfig::from_dir(dir)?;
         let tokenizer = TextTokenizer::from_file(&dir.join("tokenizer.json"))?;
         let chat_template = ChatTemplate::from_dir(dir)?;
-        let mut weights = SafetensorsWeights::open(dir, kind, device)?;
+        let activations = activation_kind(kind, device);
+        let mut weights =
+            SafetensorsWeights::open(dir, activations, device)?.with_matrix_kind(kind);
         let parts = TargetParts {
             path: dir.to_path_buf(),
             config,
             tokenizer,
             chat_template,
         };
-        Self::from_parts(parts, &mut weights, kind, device, cpu)
+        let target = Self::from_parts(parts, &mut weights, activations, device, cpu)?;
+        Ok(Self {
+            weight_kind: kind,
+            ..target
+        })
     }
 
     /// A target from its parts and a source of its weights (how a GGUF file is loaded).
@@ -150,6 +161,7 @@ impl Target {
             chat_template: parts.chat_template,
             stop_ids,
             kind,
+            weight_kind: kind,
             device,
             cpu,
         })
@@ -167,6 +179,18 @@ impl Target {
     /// Token ids of [`Target::chat_prompt`] (the template writes the special tokens itself).
     pub fn chat_prompt_ids(&self, messages: &[Message]) -> Result<Vec<u32>> {
         self.tokenizer.encode(&self.chat_prompt(messages)?, false)
+    }
+}
+
+/// The kind a target whose weight matrices are stored in `kind` computes in on `device`: on the
+/// CPU, bf16 matrices run under f32 activations — the row kernel widens bf16 weights as it streams
+/// them, so decoding reads half of f32's bytes while norms, rotary, attention and the cache stay in
+/// Headway's f32 few-row code (libtorch's bf16 ops cost more per op there than f32's); elsewhere
+/// (GPUs, f16) the weights' kind.
+pub fn activation_kind(kind: Kind, device: Device) -> Kind {
+    match (kind, device) {
+        (Kind::BFloat16, Device::Cpu) => Kind::Float,
+        _ => kind,
     }
 }
 

@@ -89,6 +89,8 @@ pub struct SafetensorsWeights {
     /// Tensor name → index into `files`.
     location: HashMap<String, usize>,
     kind: Kind,
+    /// The kind of weight matrices ([`WeightSource::matrix`]); `kind` unless narrowed.
+    matrix_kind: Kind,
     device: Device,
 }
 
@@ -119,8 +121,38 @@ impl SafetensorsWeights {
             files,
             location,
             kind,
+            matrix_kind: kind,
             device,
         })
+    }
+
+    /// Hands out weight matrices in `kind` (the other tensors keep theirs).
+    pub fn with_matrix_kind(self, kind: Kind) -> Self {
+        Self {
+            matrix_kind: kind,
+            ..self
+        }
+    }
+
+    /// The tensor `name` with exactly `shape`, converted to `kind` on the device.
+    fn read(&self, name: &str, shape: &[i64], kind: Kind) -> Result<Tensor> {
+        let file = self
+            .location
+            .get(name)
+            .map(|&i| &self.files[i])
+            .ok_or_else(|| ModelError::MissingWeight {
+                name: name.to_string(),
+                path: self.describe_files(),
+            })?;
+        let stored = file.read(name)?;
+        if stored.size() != shape {
+            return Err(ModelError::Shape {
+                name: name.to_string(),
+                expected: shape.to_vec(),
+                found: stored.size(),
+            });
+        }
+        Ok(stored.f_to_kind(kind)?.f_to_device(self.device)?)
     }
 
     fn describe_files(&self) -> PathBuf {
@@ -165,23 +197,11 @@ fn shard_paths(dir: &Path, index_path: &Path) -> Result<Vec<PathBuf>> {
 
 impl WeightSource for SafetensorsWeights {
     fn tensor(&mut self, name: &str, shape: &[i64]) -> Result<Tensor> {
-        let file = self
-            .location
-            .get(name)
-            .map(|&i| &self.files[i])
-            .ok_or_else(|| ModelError::MissingWeight {
-                name: name.to_string(),
-                path: self.describe_files(),
-            })?;
-        let stored = file.read(name)?;
-        if stored.size() != shape {
-            return Err(ModelError::Shape {
-                name: name.to_string(),
-                expected: shape.to_vec(),
-                found: stored.size(),
-            });
-        }
-        Ok(stored.f_to_kind(self.kind)?.f_to_device(self.device)?)
+        self.read(name, shape, self.kind)
+    }
+
+    fn matrix(&mut self, name: &str, shape: &[i64]) -> Result<Matrix> {
+        Ok(Matrix::Dense(self.read(name, shape, self.matrix_kind)?))
     }
 }
 

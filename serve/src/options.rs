@@ -192,7 +192,8 @@ impl DraftArgs {
             bail!("--method draft needs --draft-model DIR");
         };
         // The draft model runs on the target's CPU threads: two pools would fight for the cores.
-        let model = headway_gguf::open_target(dir, target.kind, target.device, target.cpu.clone())
+        let cpu = target.cpu.clone();
+        let model = headway_gguf::open_target(dir, target.weight_kind, target.device, cpu)
             .with_context(|| format!("--draft-model {}", dir.display()))?;
         Ok(ModelDraft::DraftModel {
             model: Box::new(model),

@@ -99,11 +99,13 @@ pub fn run(args: BenchArgs) -> anyhow::Result<()> {
         eprintln!("warning: --typical is lossy: sampled outputs no longer follow the target's distribution");
     }
     eprintln!(
-        "bench {label}: {} questions × up to {} turns, {} new tokens each, {:?} {:?}, {} threads",
+        "bench {label}: {} questions × up to {} turns, {} new tokens each, {:?}, weights {:?}, \
+         activations {:?}, {} threads",
         questions.len(),
         args.turns,
         args.max_new_tokens,
         target.device,
+        target.weight_kind,
         target.kind,
         target.cpu.count()
     );
@@ -238,7 +240,8 @@ fn settings(
         "heads": draft.heads.as_ref().map(|p| p.display().to_string()),
         "draft_model": draft.draft_model.as_ref().map(|p| p.display().to_string()),
         "device": format!("{:?}", target.device),
-        "dtype": format!("{:?}", target.kind),
+        "dtype": format!("{:?}", target.weight_kind),
+        "activation_dtype": format!("{:?}", target.kind),
         "threads": target.cpu.count(),
         "questions": questions.len(),
         "turns": args.turns,
