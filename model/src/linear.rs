@@ -10,10 +10,9 @@
 //! which streams each weight row once for all rows, so verifying a few tokens costs about what
 //! decoding one does. The same split serves prefill and batched feature extraction (`gemm` blocks
 //! for cache reuse across rows). bf16 weights take the row kernel too (widened to f32 as they are
-//! read); past its rows, under f32 activations (a CPU target loaded in bf16, see
-//! [`crate::target::activation_kind`]) they are widened 64 rows at a time for `gemm`, under bf16
-//! activations libtorch multiplies them. Training (tensors that require grad), other dtypes and
-//! GPUs use libtorch.
+//! read, under f32 activations on the CPU, see [`crate::target::activation_kind`]), libtorch's
+//! bf16 product past its rows. Training (tensors that require grad), other dtypes and GPUs use
+//! libtorch.
 
 use std::sync::OnceLock;
 
@@ -235,15 +234,20 @@ fn dense_forward(x: &Tensor, weight: &Tensor, cpu: &CpuPolicy) -> Tensor {
             && !weight.requires_grad()
             && !x.requires_grad()
             && match (x.kind(), kind) {
-                (Kind::Float, Kind::Float | Kind::BFloat16) => true,
-                // bf16 activations: the row kernel, or libtorch's bf16 product past its rows.
-                (Kind::BFloat16, Kind::BFloat16) => streams(rows as usize),
+                (Kind::Float, Kind::Float) => true,
+                // bf16 weights (under bf16 or f32 activations): the row kernel up to its rows.
+                (Kind::Float | Kind::BFloat16, Kind::BFloat16) => streams(rows as usize),
                 _ => false,
             }
     });
     let Some(pool) = pool else {
-        // Weights stored narrower than the activations widen for libtorch.
-        return x.linear::<Tensor>(&weight.to_kind(x.kind()), None);
+        // Past the row kernel's rows (prefill, batches) bf16 weights take libtorch's bf16
+        // product, which AMX and AVX-512 BF16 speed up: the activations round to bf16 for it and
+        // the result comes back in `x`'s kind.
+        return x
+            .to_kind(kind)
+            .linear::<Tensor>(weight, None)
+            .to_kind(x.kind());
     };
     // bf16 activations widen to f32 exactly; the product rounds back to bf16 once.
     let x32 = x
@@ -368,8 +372,8 @@ fn streams(rows: usize) -> bool {
     rows <= ROW_KERNEL_MAX_ROWS && row_kernel::available()
 }
 
-/// `x [rows, in] · wᵀ` for a contiguous f32 `x` and an f32 or bf16 `weight` on the CPU, output
-/// features split between `pool`'s threads; f32 result.
+/// `x [rows, in] · wᵀ` for a contiguous f32 `x` and an f32 or bf16 `weight` on the CPU (bf16
+/// only where [`streams`]), output features split between `pool`'s threads; f32 result.
 fn split_gemm(x: &Tensor, weight: &Tensor, pool: &SpinPool) -> Tensor {
     let rows = x.size()[0];
     let mut y = Tensor::empty([rows, weight.size()[0]], (Kind::Float, Device::Cpu));
@@ -378,7 +382,7 @@ fn split_gemm(x: &Tensor, weight: &Tensor, pool: &SpinPool) -> Tensor {
 }
 
 /// `y = x wᵀ` for `x` of whole rows of `in_features` floats and a contiguous f32 or bf16 CPU
-/// `weight`, output features split between `pool`'s threads.
+/// `weight` (bf16 only where [`streams`]), output features split between `pool`'s threads.
 fn dense_into(x: &[f32], weight: &Tensor, y: &mut [f32], pool: &SpinPool) {
     let (out_features, in_features) = (weight.size()[0] as usize, weight.size()[1] as usize);
     let rows = x.len() / in_features.max(1);
@@ -405,7 +409,7 @@ fn dense_into(x: &[f32], weight: &Tensor, y: &mut [f32], pool: &SpinPool) {
         // SAFETY: x, weight and y hold the shapes and kinds read above, alive for the whole
         // call; a part reads weight rows first..first+len and writes only columns
         // first..first+len of y, so parts never overlap; the row kernel runs only where it is
-        // available.
+        // available, and bf16 weights only reach this function where it is.
         unsafe {
             #[cfg(target_arch = "x86_64")]
             if streamed {
@@ -416,11 +420,7 @@ fn dense_into(x: &[f32], weight: &Tensor, y: &mut [f32], pool: &SpinPool) {
                 }
                 return;
             }
-            if bf16 {
-                widened_gemm_columns(x, w_ptr as *const Bf16, y, product, first, len);
-            } else {
-                gemm_columns(x, w_ptr as *const f32, y, product, first, len);
-            }
+            gemm_columns(x, w_ptr as *const f32, y, product, first, len);
         }
     };
     split_columns(pool, out_features, 1, &run_part);
@@ -464,41 +464,6 @@ pub unsafe fn gemm_columns(
         false,
         gemm::Parallelism::None,
     );
-}
-
-/// Weight rows [`widened_gemm_columns`] widens at a time: a bounded scratch, and enough columns
-/// for `gemm`'s blocking.
-const WIDEN_ROWS: usize = 64;
-
-/// [`gemm_columns`] for a bf16 weight: [`WIDEN_ROWS`] weight rows at a time widened to f32 (exact)
-/// and multiplied; for products past the row kernel's rows, where the widening is shared by every
-/// activation row.
-///
-/// # Safety
-/// As [`gemm_columns`], with `w` pointing at bf16 values.
-unsafe fn widened_gemm_columns(
-    x: *const f32,
-    w: *const Bf16,
-    y: *mut f32,
-    product: Product,
-    first: usize,
-    len: usize,
-) {
-    let in_features = product.in_features;
-    let mut widened = vec![0f32; WIDEN_ROWS.min(len) * in_features];
-    let mut start = first;
-    while start < first + len {
-        let count = WIDEN_ROWS.min(first + len - start);
-        let source = std::slice::from_raw_parts(w.add(start * in_features), count * in_features);
-        for (out, value) in widened.iter_mut().zip(source) {
-            *out = f32::from_bits(u32::from(value.0) << 16);
-        }
-        // `gemm_columns` reads rows `start..start + count` of its weight: point it `start` rows
-        // before the scratch, whose first row is weight row `start` (only those rows are read).
-        let base = widened.as_ptr().wrapping_sub(start * in_features);
-        gemm_columns(x, base, y, product, start, count);
-        start += count;
-    }
 }
 
 #[cfg(test)]
@@ -579,21 +544,25 @@ mod tests {
     }
 
     /// f32 activations with bf16 weights (a CPU target loaded in bf16): the row kernel up to its
-    /// rows, widened `gemm` past them (130 rows, 301 features: a partial widening block), and
-    /// libtorch without a pool, all against the f32 product of the widened weights.
+    /// rows gives the f32 product of the widened weights; libtorch's bf16 product past them (130
+    /// rows) or without a pool stays within the activations' bf16 rounding; f32 comes back.
     #[test]
-    fn bf16_weights_under_f32_activations_equal_the_widened_product() {
+    fn bf16_weights_under_f32_activations_match_the_widened_product() {
         let w = Tensor::randn([301, 133], (Kind::BFloat16, Device::Cpu));
         let layer = Linear::new(w.shallow_clone(), None);
         let widened = w.to_kind(Kind::Float);
         for rows in [1, 17, ROW_KERNEL_MAX_ROWS as i64, 130] {
             let x = Tensor::randn([rows, 133], (Kind::Float, Device::Cpu));
             let exact = x.linear::<Tensor>(&widened, None);
-            for cpu in [decode(), CpuThreads::new(1).batch()] {
+            for (cpu, streamed) in [
+                (decode(), rows <= ROW_KERNEL_MAX_ROWS as i64),
+                (CpuThreads::new(1).batch(), false),
+            ] {
                 let got = layer.forward(&x, &cpu);
                 assert_eq!(got.kind(), Kind::Float);
                 let relative = max_diff(&got, &exact) / exact.abs().max().double_value(&[]);
-                assert!(relative < 1e-5, "{rows} rows: relative error {relative}");
+                let bound = if streamed { 1e-5 } else { 2e-2 };
+                assert!(relative < bound, "{rows} rows: relative error {relative}");
             }
         }
     }
