@@ -217,6 +217,12 @@ def main() -> None:
                         help="the same model as an f32 HF directory, for vLLM")
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args()
+    if args.vllm_python and not (args.vllm_model / "config.json").is_file():
+        sys.exit(f"--vllm-model {args.vllm_model}: no config.json there (vLLM needs the model as an "
+                 "HF directory; `make model` writes the embedded default's)")
+    if args.vllm_python and not args.vllm_python.is_file():
+        sys.exit(f"--vllm-python {args.vllm_python}: not found (scripts/interop/vllm_env.sh VENV "
+                 "builds vLLM's venv)")
     gguf = args.gguf or smollm2_gguf()
     bin_dir = build_llamacpp(args.home, jobs=args.threads)
     prompts = chat_prompts(gguf, args.questions)
