@@ -22,7 +22,7 @@ fn main() {
         Isa::Vnni => vec![Isa::Avx2, Isa::Vnni],
         isa => vec![isa],
     };
-    for format in [QuantFormat::Q4_0, QuantFormat::Q4_1, QuantFormat::Q8_0] {
+    for format in QuantFormat::ALL {
         let weights: Vec<PackedMatrix> = (0..LAYERS)
             .map(|l| {
                 let values: Vec<f32> = (0..OUT * IN)

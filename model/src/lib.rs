@@ -22,6 +22,7 @@ pub mod linear;
 pub mod llama;
 pub mod mask;
 pub mod quant;
+pub mod quant_gguf;
 pub mod quant_kernel;
 pub mod row_attention;
 pub mod row_kernel;

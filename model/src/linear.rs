@@ -20,16 +20,17 @@ use tch::{Device, Kind, Tensor};
 
 use crate::cpu::CpuPolicy;
 use crate::quant::{dequantise_rows, QuantMatrix};
-use crate::quant_kernel::{self, PackedMatrix, QuantisedRows};
+use crate::quant_kernel::{self, QuantisedRows, StackedMatrix};
 use crate::row_kernel::{self, Bf16, Product};
 use crate::spin_pool::SpinPool;
 
 /// A weight matrix `[out_features, in_features]` (the HF layout): a tensor, or GGUF blocks that
-/// the CPU multiplies without widening them (interleaved by eight rows, [`crate::quant_kernel`]).
+/// the CPU multiplies without widening them (interleaved by eight rows, [`crate::quant_kernel`];
+/// row ranges may differ in format).
 pub enum Matrix {
     Dense(Tensor),
     Quantised {
-        blocks: PackedMatrix,
+        blocks: StackedMatrix,
         /// The dequantised values, made the first time someone asks for a tensor.
         dense: OnceLock<Tensor>,
     },
@@ -38,10 +39,10 @@ pub enum Matrix {
 impl Matrix {
     /// GGUF blocks, repacked for the kernels.
     pub fn quantised(blocks: QuantMatrix) -> Self {
-        Self::packed(PackedMatrix::new(&blocks))
+        Self::packed(StackedMatrix::new(&[blocks]).expect("one part"))
     }
 
-    fn packed(blocks: PackedMatrix) -> Self {
+    fn packed(blocks: StackedMatrix) -> Self {
         Self::Quantised {
             blocks,
             dense: OnceLock::new(),
@@ -52,9 +53,7 @@ impl Matrix {
     pub fn dense(&self) -> &Tensor {
         match self {
             Self::Dense(tensor) => tensor,
-            Self::Quantised { blocks, dense } => {
-                dense.get_or_init(|| blocks.unpacked().dequantise(Kind::Float, Device::Cpu))
-            }
+            Self::Quantised { blocks, dense } => dense.get_or_init(|| blocks.dequantise()),
         }
     }
 
@@ -111,8 +110,8 @@ impl Matrix {
         }
     }
 
-    /// The rows of `parts` one after another: quantised when every part is quantised in one
-    /// format, else a dense tensor.
+    /// The rows of `parts` one after another: quantised when every part is quantised, else a
+    /// dense tensor.
     pub fn concat_rows(parts: Vec<Matrix>) -> crate::Result<Matrix> {
         let blocks: Option<Vec<QuantMatrix>> = parts
             .iter()
@@ -120,9 +119,10 @@ impl Matrix {
                 Self::Quantised { blocks, .. } => Some(blocks.unpacked()),
                 Self::Dense(_) => None,
             })
-            .collect();
-        if let Some(joined) = blocks.as_deref().and_then(QuantMatrix::concat_rows) {
-            return Ok(Self::quantised(joined));
+            .collect::<Option<Vec<_>>>()
+            .map(|parts| parts.concat());
+        if let Some(joined) = blocks.as_deref().and_then(StackedMatrix::new) {
+            return Ok(Self::packed(joined));
         }
         let mut dense: Vec<Tensor> = parts.iter().map(|p| p.dense().shallow_clone()).collect();
         Ok(Self::Dense(if dense.len() == 1 {
@@ -268,7 +268,7 @@ fn output_shape(x: &Tensor, out_features: i64) -> Vec<i64> {
 
 /// `x wᵀ` for quantised blocks, on the CPU threads `cpu` names; the activations are quantised
 /// first (see [`crate::quant_kernel`]), the result has `x`'s kind.
-fn quantised_forward(x: &Tensor, blocks: &PackedMatrix, cpu: &CpuPolicy) -> Tensor {
+fn quantised_forward(x: &Tensor, blocks: &StackedMatrix, cpu: &CpuPolicy) -> Tensor {
     let x32 = x.to_device(Device::Cpu).to_kind(Kind::Float).contiguous();
     let rows = x32.numel() / blocks.cols().max(1);
     let out_features = blocks.rows();
@@ -283,8 +283,8 @@ fn quantised_forward(x: &Tensor, blocks: &PackedMatrix, cpu: &CpuPolicy) -> Tens
 }
 
 /// `y = x wᵀ` for `x` of whole rows of `blocks.cols()` floats, output features split between
-/// `pool`'s threads.
-fn quantised_into(x: &[f32], blocks: &PackedMatrix, y: &mut [f32], pool: &SpinPool) {
+/// `pool`'s threads (each part's columns within its own row range of `blocks`).
+fn quantised_into(x: &[f32], blocks: &StackedMatrix, y: &mut [f32], pool: &SpinPool) {
     let activations = QuantisedRows::new(x, blocks.cols());
     let out_features = blocks.rows();
     assert_eq!(
@@ -299,18 +299,26 @@ fn quantised_into(x: &[f32], blocks: &PackedMatrix, y: &mut [f32], pool: &SpinPo
         out_features,
         quant_kernel::COLUMN_ALIGN,
         &|first, len| {
-            // SAFETY: `isa` was detected on this CPU; y holds rows × out_features floats and
-            // each part writes only its own columns.
-            unsafe {
-                quant_kernel::columns(
-                    isa,
-                    &activations,
-                    blocks,
-                    y_ptr as *mut f32,
-                    out_features,
-                    first,
-                    len,
-                )
+            for (part_first, part) in blocks.parts() {
+                let start = first.max(part_first);
+                let end = (first + len).min(part_first + part.rows());
+                if start >= end {
+                    continue;
+                }
+                // SAFETY: `isa` was detected on this CPU; y holds rows × out_features floats,
+                // the part's columns start `part_first` floats into each row, and each call
+                // writes only its own columns.
+                unsafe {
+                    quant_kernel::columns(
+                        isa,
+                        &activations,
+                        part,
+                        (y_ptr as *mut f32).add(part_first),
+                        out_features,
+                        start - part_first,
+                        end - start,
+                    )
+                }
             }
         },
     );
@@ -477,6 +485,53 @@ mod tests {
 
     fn max_diff(a: &Tensor, b: &Tensor) -> f64 {
         (a - b).abs().max().double_value(&[])
+    }
+
+    /// A fused matrix whose parts differ in format (as `Q4_K_M` files store q/k/v) stays
+    /// quantised and gives each part's own outputs, bit for bit, for any row count and thread
+    /// split; its dense copy and embedding rows are the parts' too.
+    #[test]
+    fn a_stack_of_formats_computes_each_part_as_alone() {
+        use crate::quant::{quantise, QuantFormat};
+        let (cols, parts) = (64, [(QuantFormat::Q4_K32, 20), (QuantFormat::Q6_K32, 13)]);
+        let blocks: Vec<QuantMatrix> = parts
+            .iter()
+            .map(|&(format, rows)| {
+                let values = Vec::<f32>::try_from(Tensor::randn(
+                    [(rows * cols) as i64],
+                    (Kind::Float, Device::Cpu),
+                ))
+                .unwrap();
+                quantise(format, &values, rows, cols)
+            })
+            .collect();
+        let alone: Vec<Linear> = blocks
+            .iter()
+            .map(|b| Linear::from_matrix(Matrix::quantised(b.clone()), None))
+            .collect();
+        let parts: Vec<Matrix> = alone.iter().map(|l| l.matrix().share()).collect();
+        let fused = Linear::from_matrix(Matrix::concat_rows(parts).unwrap(), None);
+        assert!(matches!(fused.matrix(), Matrix::Quantised { .. }));
+        assert_eq!(fused.matrix().shape(), [33, cols as i64]);
+        for rows in [1, 3, 70] {
+            let x = Tensor::randn([rows, cols as i64], (Kind::Float, Device::Cpu));
+            for threads in [1, 2] {
+                let cpu = CpuThreads::new(threads).decode();
+                let each: Vec<Tensor> = alone.iter().map(|l| l.forward(&x, &cpu)).collect();
+                let got = fused.forward(&x, &cpu);
+                assert!(
+                    got.equal(&Tensor::cat(&each, 1)),
+                    "{rows} rows, {threads} threads"
+                );
+            }
+        }
+        let dense: Vec<Tensor> = alone.iter().map(|l| l.weight().shallow_clone()).collect();
+        assert!(fused.weight().equal(&Tensor::cat(&dense, 0)));
+        let ids = Tensor::from_slice(&[0i64, 19, 20, 32]);
+        assert!(fused
+            .matrix()
+            .rows(&ids)
+            .equal(&fused.weight().index_select(0, &ids)));
     }
 
     #[test]

@@ -1,23 +1,32 @@
-//! Weights kept in llama.cpp's quantised block formats (GGUF's `Q4_0`, `Q4_1`, `Q8_0`), so that
-//! decoding streams the 4.5–8.5 bits per weight the file holds instead of 32.
+//! Weights kept in llama.cpp's quantised block formats, so that decoding streams the 4.5–9 bits
+//! per weight the file holds instead of 32.
 //!
 //! A [`QuantMatrix`] is `[rows, cols]` in the HF layout (one weight row per output feature), each
-//! row a run of 32-element blocks exactly as GGUF stores them. [`crate::quant_kernel`] interleaves
-//! its rows by eight ([`crate::quant_kernel::PackedMatrix`], the same bytes) and multiplies
-//! activations by them without widening them; [`QuantMatrix::dequantise`] gives the f32 values the
-//! blocks stand for, with candle's (and so `convert`'s) arithmetic, for the paths that need a
-//! dense tensor (heads that copy the target's embeddings or LM head, GPUs).
+//! row a run of 32-element blocks. GGUF's `Q4_0`, `Q4_1` and `Q8_0` blocks are kept byte for
+//! byte; its other common types are re-expressed exactly in 32-element blocks at load
+//! ([`GgufBlocks`]): `Q5_0` as `Q8_0`, and `Q4_K`'s and `Q6_K`'s 32-value sub-blocks as
+//! [`QuantFormat::Q4_K32`] and [`QuantFormat::Q6_K32`], with the super-block scales multiplied
+//! in. Every value stays the one the file stands for (the tests compare with candle's
+//! dequantisation bit for bit); the price is bytes: `Q4_K` streams 6 bits per weight instead of
+//! 4.5, `Q6_K` 9 instead of 6.6, `Q5_0` 8.5 instead of 5.5.
+//!
+//! [`crate::quant_kernel`] interleaves the rows by eight ([`crate::quant_kernel::PackedMatrix`],
+//! the same bytes) and multiplies activations by them without widening them;
+//! [`QuantMatrix::dequantise`] gives the f32 values the blocks stand for, with candle's (and so
+//! `convert`'s) arithmetic, for the paths that need a dense tensor (heads that copy the target's
+//! embeddings or LM head, GPUs).
 
 use std::sync::Arc;
 
 use half::f16;
 use tch::{Device, Kind, Tensor};
 
-/// Elements per block in every supported format.
+/// Elements per block in every format the kernels take.
 pub const BLOCK: usize = 32;
 
-/// A GGML block format Headway multiplies natively.
+/// A 32-element block format Headway multiplies natively.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[allow(non_camel_case_types)]
 pub enum QuantFormat {
     /// f16 scale `d`, 16 bytes of 4-bit `q`: value `(q − 8) · d`.
     Q4_0,
@@ -25,16 +34,60 @@ pub enum QuantFormat {
     Q4_1,
     /// f16 scale `d`, 32 signed bytes `q`: value `q · d`.
     Q8_0,
+    /// One `Q4_K` sub-block: f32 scale `d` (the super-block's f16 scale times the 6-bit
+    /// sub-block scale, exact in f32), f32 minimum `m` (minus the super-block's f16 minimum
+    /// times the 6-bit sub-block minimum), 16 bytes of 4-bit `q` as in `Q4_1`: value `q · d + m`.
+    Q4_K32,
+    /// One `Q6_K` sub-block pair: the super-block's f16 scale `d`, the two signed 8-bit scales
+    /// `s₀`, `s₁` of its 16-value halves, 32 signed bytes `q` (the 6-bit quants minus 32): value
+    /// `(d · s) · q`, `s` the scale of the value's half.
+    Q6_K32,
 }
 
 impl QuantFormat {
+    /// Every format, for tests and benchmarks.
+    pub const ALL: [Self; 5] = [
+        Self::Q4_0,
+        Self::Q4_1,
+        Self::Q8_0,
+        Self::Q4_K32,
+        Self::Q6_K32,
+    ];
+
+    /// Byte widths of the fields before a block's quants, in order (scale, minimum, …).
+    pub const fn header_fields(self) -> &'static [usize] {
+        match self {
+            Self::Q4_0 | Self::Q8_0 => &[2],
+            Self::Q4_1 => &[2, 2],
+            Self::Q4_K32 => &[4, 4],
+            Self::Q6_K32 => &[2, 1, 1],
+        }
+    }
+
+    /// Bytes of a block's fields before its quants.
+    pub const fn header_bytes(self) -> usize {
+        let (fields, mut at, mut bytes) = (self.header_fields(), 0, 0);
+        while at < fields.len() {
+            bytes += fields[at];
+            at += 1;
+        }
+        bytes
+    }
+
+    /// Whether the quants are 4-bit nibbles (element `j` low, `j + 16` high in byte `j`) rather
+    /// than signed bytes.
+    pub const fn four_bit(self) -> bool {
+        matches!(self, Self::Q4_0 | Self::Q4_1 | Self::Q4_K32)
+    }
+
+    /// Whether values add a per-block minimum (`q · d + m`).
+    pub const fn has_minimum(self) -> bool {
+        matches!(self, Self::Q4_1 | Self::Q4_K32)
+    }
+
     /// Bytes one block of [`BLOCK`] elements occupies.
     pub const fn block_bytes(self) -> usize {
-        match self {
-            Self::Q4_0 => 18,
-            Self::Q4_1 => 20,
-            Self::Q8_0 => 34,
-        }
+        self.header_bytes() + if self.four_bit() { BLOCK / 2 } else { BLOCK }
     }
 
     /// A number per format, for kernels instantiated per format (const generics take integers).
@@ -47,16 +100,20 @@ impl QuantFormat {
         match code {
             0 => Self::Q4_0,
             1 => Self::Q4_1,
-            _ => Self::Q8_0,
+            2 => Self::Q8_0,
+            3 => Self::Q4_K32,
+            _ => Self::Q6_K32,
         }
     }
 
-    /// ggml's name of the format (`Q4_1`).
+    /// The format's name (`Q4_1`).
     pub const fn name(self) -> &'static str {
         match self {
             Self::Q4_0 => "Q4_0",
             Self::Q4_1 => "Q4_1",
             Self::Q8_0 => "Q8_0",
+            Self::Q4_K32 => "Q4_K32",
+            Self::Q6_K32 => "Q6_K32",
         }
     }
 }
@@ -67,29 +124,64 @@ pub(crate) fn f16_at(bytes: &[u8], at: usize) -> f32 {
     f16::from_bits(u16::from_le_bytes([bytes[at], bytes[at + 1]])).to_f32()
 }
 
+/// Reads the little-endian f32 at `bytes[at..at + 4]`.
+#[inline(always)]
+pub(crate) fn f32_at(bytes: &[u8], at: usize) -> f32 {
+    f32::from_le_bytes([bytes[at], bytes[at + 1], bytes[at + 2], bytes[at + 3]])
+}
+
+/// A block's scale `d` (for [`QuantFormat::Q6_K32`] the super-block's, before `s`).
+#[inline(always)]
+pub(crate) fn block_scale(format: QuantFormat, block: &[u8]) -> f32 {
+    match format {
+        QuantFormat::Q4_K32 => f32_at(block, 0),
+        _ => f16_at(block, 0),
+    }
+}
+
+/// A block's minimum `m` ([`QuantFormat::has_minimum`] formats).
+#[inline(always)]
+pub(crate) fn block_minimum(format: QuantFormat, block: &[u8]) -> f32 {
+    match format {
+        QuantFormat::Q4_K32 => f32_at(block, 4),
+        _ => f16_at(block, 2),
+    }
+}
+
+/// Element `e`'s quant in a block: the unsigned nibble of 4-bit formats, else the signed byte
+/// (as its two's-complement `u8`).
+#[inline(always)]
+pub(crate) fn block_quant(format: QuantFormat, block: &[u8], e: usize) -> u8 {
+    let quants = &block[format.header_bytes()..];
+    if format.four_bit() {
+        (quants[e % (BLOCK / 2)] >> (4 * (e / (BLOCK / 2)))) & 0x0f
+    } else {
+        quants[e]
+    }
+}
+
+/// [`QuantFormat::Q6_K32`]'s scales of the block's two halves.
+#[inline(always)]
+pub(crate) fn half_scales(block: &[u8]) -> [i8; 2] {
+    [block[2] as i8, block[3] as i8]
+}
+
 /// The 32 values of one block, in element order.
 pub(crate) fn dequantise_block(format: QuantFormat, block: &[u8], out: &mut [f32]) {
-    let d = f16_at(block, 0);
-    match format {
-        QuantFormat::Q4_0 | QuantFormat::Q4_1 => {
-            let (nibbles, m) = match format {
-                QuantFormat::Q4_0 => (&block[2..18], None),
-                _ => (&block[4..20], Some(f16_at(block, 2))),
-            };
-            for (j, &byte) in nibbles.iter().enumerate() {
-                for (at, q) in [(j, byte & 0x0f), (j + BLOCK / 2, byte >> 4)] {
-                    out[at] = match m {
-                        None => (f32::from(q) - 8.0) * d,
-                        Some(m) => f32::from(q) * d + m,
-                    };
-                }
+    let d = block_scale(format, block);
+    for (e, value) in out.iter_mut().enumerate().take(BLOCK) {
+        let q = block_quant(format, block, e);
+        *value = match format {
+            QuantFormat::Q4_0 => (f32::from(q) - 8.0) * d,
+            QuantFormat::Q4_1 | QuantFormat::Q4_K32 => {
+                f32::from(q) * d + block_minimum(format, block)
             }
-        }
-        QuantFormat::Q8_0 => {
-            for (value, &q) in out.iter_mut().zip(&block[2..2 + BLOCK]) {
-                *value = f32::from(q as i8) * d;
+            QuantFormat::Q8_0 => f32::from(q as i8) * d,
+            QuantFormat::Q6_K32 => {
+                let s = half_scales(block)[e / (BLOCK / 2)];
+                d * f32::from(s) * f32::from(q as i8)
             }
-        }
+        };
     }
 }
 
@@ -234,20 +326,26 @@ pub(crate) fn dequantise_rows(
 }
 
 /// Quantises `values` (`rows × cols`, `cols` a multiple of 32) the way llama.cpp's reference
-/// quantisers do: per block, Q8_0 and Q4_0 scale by the largest magnitude, Q4_1 spans min..max.
-/// For tests and tiny models; real models arrive quantised.
+/// quantisers do: per block, Q8_0 and Q4_0 scale by the largest magnitude, Q4_1 (and Q4_K32)
+/// span min..max; Q6_K32 picks a scale per 16-value half. For tests and tiny models; real models
+/// arrive quantised.
 pub fn quantise(format: QuantFormat, values: &[f32], rows: usize, cols: usize) -> QuantMatrix {
     assert_eq!(values.len(), rows * cols);
     let mut data = Vec::with_capacity(rows * cols / BLOCK * format.block_bytes());
+    let f16_bytes = |v: f32| f16::from_f32(v).to_bits().to_le_bytes();
+    let inverse = |d: f32| if d != 0.0 { 1.0 / d } else { 0.0 };
+    let nibbles = |q: &dyn Fn(f32) -> u8, block: &[f32]| -> Vec<u8> {
+        (0..BLOCK / 2)
+            .map(|j| q(block[j]) | (q(block[j + BLOCK / 2]) << 4))
+            .collect()
+    };
+    let amax = |values: &[f32]| values.iter().fold(0f32, |a, v| a.max(v.abs()));
     for block in values.chunks_exact(BLOCK) {
-        let f16_bytes = |v: f32| f16::from_f32(v).to_bits().to_le_bytes();
         match format {
             QuantFormat::Q8_0 => {
-                let amax = block.iter().fold(0f32, |a, v| a.max(v.abs()));
-                let d = amax / 127.0;
-                let id = if d != 0.0 { 1.0 / d } else { 0.0 };
+                let d = amax(block) / 127.0;
                 data.extend_from_slice(&f16_bytes(d));
-                data.extend(block.iter().map(|v| (v * id).round() as i8 as u8));
+                data.extend(block.iter().map(|v| (v * inverse(d)).round() as i8 as u8));
             }
             QuantFormat::Q4_0 => {
                 // The value of largest magnitude maps to −8 (llama.cpp's choice: one more level).
@@ -255,20 +353,43 @@ pub fn quantise(format: QuantFormat, values: &[f32], rows: usize, cols: usize) -
                     .iter()
                     .fold(0f32, |a, &v| if v.abs() > a.abs() { v } else { a });
                 let d = max / -8.0;
-                let id = if d != 0.0 { 1.0 / d } else { 0.0 };
                 data.extend_from_slice(&f16_bytes(d));
-                let q = |v: f32| ((v * id + 8.5) as u8).min(15);
-                data.extend((0..BLOCK / 2).map(|j| q(block[j]) | (q(block[j + BLOCK / 2]) << 4)));
+                data.extend(nibbles(&|v| ((v * inverse(d) + 8.5) as u8).min(15), block));
             }
-            QuantFormat::Q4_1 => {
+            QuantFormat::Q4_1 | QuantFormat::Q4_K32 => {
                 let min = block.iter().copied().fold(f32::INFINITY, f32::min);
                 let max = block.iter().copied().fold(f32::NEG_INFINITY, f32::max);
                 let d = (max - min) / 15.0;
-                let id = if d != 0.0 { 1.0 / d } else { 0.0 };
+                if format == QuantFormat::Q4_1 {
+                    data.extend_from_slice(&f16_bytes(d));
+                    data.extend_from_slice(&f16_bytes(min));
+                } else {
+                    data.extend_from_slice(&d.to_le_bytes());
+                    data.extend_from_slice(&min.to_le_bytes());
+                }
+                data.extend(nibbles(
+                    &|v| (((v - min) * inverse(d) + 0.5) as u8).min(15),
+                    block,
+                ));
+            }
+            QuantFormat::Q6_K32 => {
+                // Quants span −32..=31 and half scales −128..=127.
+                let d = f16::from_f32(amax(block) / (31.0 * 127.0)).to_f32();
                 data.extend_from_slice(&f16_bytes(d));
-                data.extend_from_slice(&f16_bytes(min));
-                let q = |v: f32| (((v - min) * id + 0.5) as u8).min(15);
-                data.extend((0..BLOCK / 2).map(|j| q(block[j]) | (q(block[j + BLOCK / 2]) << 4)));
+                let halves: Vec<&[f32]> = block.chunks(BLOCK / 2).collect();
+                // Rounded up, so that the half's largest magnitude needs no clipping.
+                let scales = halves
+                    .iter()
+                    .map(|h| (amax(h) * inverse(d) / 31.0).ceil().min(127.0) as i8);
+                let scales: Vec<i8> = scales.collect();
+                data.extend(scales.iter().map(|&s| s as u8));
+                for (half, &s) in halves.iter().zip(&scales) {
+                    let step = inverse(d * f32::from(s));
+                    data.extend(
+                        half.iter()
+                            .map(|v| (v * step).round().clamp(-32.0, 31.0) as i8 as u8),
+                    );
+                }
             }
         }
     }
@@ -294,7 +415,9 @@ pub(crate) mod tests {
         for (format, steps_per_max) in [
             (QuantFormat::Q8_0, 254.0),
             (QuantFormat::Q4_1, 15.0),
+            (QuantFormat::Q4_K32, 15.0),
             (QuantFormat::Q4_0, 8.0),
+            (QuantFormat::Q6_K32, 62.0),
         ] {
             let matrix = quantise(format, &values, 4, 64);
             let back = matrix.dequantise(Kind::Float, Device::Cpu);

@@ -8,8 +8,9 @@
 //! broadcast of four activation quants and one `dpbusd` (or `maddubs`+`madd`) advance eight dot
 //! products at once, and after eight such steps lane `j` holds block `b`'s exact integer product
 //! for feature `j` — no horizontal reduction, and the unpacked weights serve every activation row
-//! of a tile. Each block then costs one FMA per lane (`Σq · d_w·d_x`), plus one for `Q4_1`'s
-//! minimum (`m_w · d_x Σq_x`, on its own accumulator). The result differs from the f32 product of
+//! of a tile. Each block then costs one FMA per lane (`Σq · d_w·d_x`), plus one for the minimum
+//! of `Q4_1` and `Q4_K32` (`m_w · d_x Σq_x`, on its own accumulator). `Q6_K32`'s two half
+//! scales multiply the halves' integer sums before that (`s₀Σ₀ + s₁Σ₁`, still exact). The result differs from the f32 product of
 //! the dequantised weights by the activations' rounding (about 0.3 % per block, averaging out over
 //! a row; the parity tests state the bound).
 //!
@@ -27,7 +28,8 @@
 
 use std::sync::Arc;
 
-use crate::quant::{dequantise_block, QuantFormat, QuantMatrix, BLOCK};
+use crate::quant::{block_minimum, block_quant, block_scale, dequantise_block, half_scales};
+use crate::quant::{QuantFormat, QuantMatrix, BLOCK};
 
 /// Output features per interleaved group: the f32 lanes of one AVX2 register.
 const LANES: usize = 8;
@@ -39,11 +41,12 @@ const GROUP: usize = 4;
 const STEPS: usize = BLOCK / GROUP;
 
 /// A quantised `[rows, cols]` matrix (one row per output feature, as [`QuantMatrix`]) with the
-/// blocks of every eight rows interleaved. Per eight rows ("octet") and block, in order: the eight
-/// f16 scales `d`; for `Q4_1` the eight f16 minimums `m`; then the quants. `Q4_0`/`Q4_1`: four
-/// 32-byte chunks, chunk `k`'s lane `j` (bytes `4j..4j+4`) holding row `j`'s elements
-/// `8k..8k+4` in the low nibbles and `8k+4..8k+8` in the high ones; `Q8_0`: eight chunks, chunk
-/// `g`'s lane `j` holding elements `4g..4g+4`. The bytes are as many as the GGUF's, plus zero
+/// blocks of every eight rows interleaved. Per eight rows ("octet") and block, in order: each
+/// header field of the format ([`QuantFormat::header_fields`]: scale, minimum, half scales) for
+/// the eight rows; then the quants. 4-bit formats: four 32-byte chunks, chunk `k`'s lane `j`
+/// (bytes `4j..4j+4`) holding row `j`'s elements `8k..8k+4` in the low nibbles and `8k+4..8k+8`
+/// in the high ones; signed bytes: eight chunks, chunk `g`'s lane `j` holding elements
+/// `4g..4g+4`. The bytes are as many as the [`QuantMatrix`]'s, plus zero
 /// rows up to a whole octet. Cloning shares the bytes.
 #[derive(Clone)]
 pub struct PackedMatrix {
@@ -92,7 +95,7 @@ impl PackedMatrix {
         }
     }
 
-    /// The blocks in GGUF's layout again (for joins and dense copies).
+    /// The blocks in [`QuantMatrix`]'s layout again (for joins and dense copies).
     pub fn unpacked(&self) -> QuantMatrix {
         let mut data = Vec::with_capacity(self.rows * self.row_bytes());
         for row in 0..self.rows {
@@ -116,7 +119,7 @@ impl PackedMatrix {
         self.cols
     }
 
-    /// Bytes the kernels stream (the GGUF's, plus padding rows).
+    /// Bytes the kernels stream (the [`QuantMatrix`]'s, plus padding rows).
     pub fn bytes(&self) -> usize {
         self.data.len()
     }
@@ -125,7 +128,7 @@ impl PackedMatrix {
         self.cols / BLOCK * self.format.block_bytes()
     }
 
-    /// Block `b` of row `row` in GGUF's layout.
+    /// Block `b` of row `row` in [`QuantMatrix`]'s layout.
     fn block(&self, row: usize, b: usize) -> Vec<u8> {
         let octet_bytes = octet_bytes(self.format);
         let at = (row / LANES * (self.cols / BLOCK) + b) * octet_bytes;
@@ -140,68 +143,143 @@ impl PackedMatrix {
     }
 }
 
-/// Bytes of one octet's block: eight GGUF blocks.
+/// A matrix whose consecutive row ranges are [`PackedMatrix`]es of one width, perhaps in
+/// different formats: a fused q/k/v or gate/up projection whose parts a GGUF stores in different
+/// block types (`Q4_K` beside `Q6_K` in `Q4_K_M` files) stays quantised. Adjacent parts in one
+/// format are joined, so that threads split one range. Cloning shares the bytes.
+#[derive(Clone, Debug)]
+pub struct StackedMatrix {
+    /// Each part and its first row.
+    parts: Vec<(usize, PackedMatrix)>,
+    rows: usize,
+    cols: usize,
+}
+
+impl StackedMatrix {
+    /// `parts`' rows one after another, or `None` when there are none or their widths differ.
+    pub fn new(parts: &[QuantMatrix]) -> Option<Self> {
+        let cols = parts.first()?.cols();
+        if parts.iter().any(|p| p.cols() != cols) {
+            return None;
+        }
+        let mut stacked = Self {
+            parts: Vec::new(),
+            rows: 0,
+            cols,
+        };
+        for run in parts.chunk_by(|a, b| a.format() == b.format()) {
+            let joined = QuantMatrix::concat_rows(run)?;
+            stacked
+                .parts
+                .push((stacked.rows, PackedMatrix::new(&joined)));
+            stacked.rows += joined.rows();
+        }
+        Some(stacked)
+    }
+
+    /// Each part with its first row.
+    pub fn parts(&self) -> impl Iterator<Item = (usize, &PackedMatrix)> {
+        self.parts.iter().map(|(first, part)| (*first, part))
+    }
+
+    /// The parts in [`QuantMatrix`]'s layout, in order.
+    pub fn unpacked(&self) -> Vec<QuantMatrix> {
+        self.parts().map(|(_, part)| part.unpacked()).collect()
+    }
+
+    pub fn rows(&self) -> usize {
+        self.rows
+    }
+
+    pub fn cols(&self) -> usize {
+        self.cols
+    }
+
+    /// Bytes the kernels stream.
+    pub fn bytes(&self) -> usize {
+        self.parts().map(|(_, part)| part.bytes()).sum()
+    }
+
+    /// Row `row`'s values into `out` (`cols` floats).
+    pub fn dequantise_row(&self, row: usize, out: &mut [f32]) {
+        let (first, part) = self
+            .parts()
+            .take_while(|(first, _)| *first <= row)
+            .last()
+            .expect("a row of the matrix");
+        part.dequantise_row(row - first, out);
+    }
+
+    /// Every value, as a dense f32 `[rows, cols]` CPU tensor.
+    pub fn dequantise(&self) -> tch::Tensor {
+        let parts: Vec<tch::Tensor> = self
+            .parts()
+            .map(|(_, part)| {
+                part.unpacked()
+                    .dequantise(tch::Kind::Float, tch::Device::Cpu)
+            })
+            .collect();
+        tch::Tensor::cat(&parts, 0)
+    }
+}
+
+/// Bytes of one octet's block: eight blocks.
 const fn octet_bytes(format: QuantFormat) -> usize {
     LANES * format.block_bytes()
 }
 
-/// Bytes of the scales (and minimums) before an octet's quants.
+/// Bytes of the header fields before an octet's quants.
 const fn scale_bytes(format: QuantFormat) -> usize {
-    match format {
-        QuantFormat::Q4_1 => 4 * LANES,
-        _ => 2 * LANES,
-    }
+    format.header_bytes() * LANES
 }
 
 /// Where element `e` of lane `lane` lives in an octet's quants: byte, and for 4-bit formats
 /// whether it is the high nibble.
 fn quant_place(format: QuantFormat, lane: usize, e: usize) -> (usize, bool) {
-    match format {
-        QuantFormat::Q8_0 => (e / GROUP * 32 + lane * GROUP + e % GROUP, false),
-        _ => {
-            let (chunk, within) = (e / 8, e % 8);
-            (chunk * 32 + lane * GROUP + within % GROUP, within >= GROUP)
-        }
+    if format.four_bit() {
+        let (chunk, within) = (e / 8, e % 8);
+        (chunk * 32 + lane * GROUP + within % GROUP, within >= GROUP)
+    } else {
+        (e / GROUP * 32 + lane * GROUP + e % GROUP, false)
     }
 }
 
-/// Element `e`'s quant in a GGUF block: the byte for `Q8_0`, the unsigned nibble for 4 bits.
-fn gguf_quant(format: QuantFormat, block: &[u8], e: usize) -> u8 {
-    let quants = &block[scale_bytes(format) / LANES..];
-    match format {
-        QuantFormat::Q8_0 => quants[e],
-        _ => (quants[e % (BLOCK / 2)] >> (4 * (e / (BLOCK / 2)))) & 0x0f,
-    }
+/// Per header field: where it starts in a block, and in an octet, and its width.
+fn header_places(format: QuantFormat) -> impl Iterator<Item = (usize, usize, usize)> {
+    format.header_fields().iter().scan(0, |at, &width| {
+        let place = (*at, *at * LANES, width);
+        *at += width;
+        Some(place)
+    })
 }
 
-/// Writes the GGUF `block` as lane `lane` of `octet`.
+/// Writes `block` as lane `lane` of `octet`.
 fn pack_block(format: QuantFormat, block: &[u8], lane: usize, octet: &mut [u8]) {
-    let scale_words = scale_bytes(format) / LANES / 2;
-    for word in 0..scale_words {
-        octet[word * 2 * LANES + lane * 2..][..2].copy_from_slice(&block[word * 2..][..2]);
+    for (in_block, in_octet, width) in header_places(format) {
+        octet[in_octet + lane * width..][..width].copy_from_slice(&block[in_block..][..width]);
     }
     let quants = &mut octet[scale_bytes(format)..];
     for e in 0..BLOCK {
         let (at, high) = quant_place(format, lane, e);
-        quants[at] |= gguf_quant(format, block, e) << if high { 4 } else { 0 };
+        quants[at] |= block_quant(format, block, e) << if high { 4 } else { 0 };
     }
 }
 
-/// Lane `lane` of `octet` as a GGUF block.
+/// Lane `lane` of `octet` as a block.
 fn unpack_block(format: QuantFormat, octet: &[u8], lane: usize) -> Vec<u8> {
     let mut block = vec![0u8; format.block_bytes()];
-    let scale_words = scale_bytes(format) / LANES / 2;
-    for word in 0..scale_words {
-        block[word * 2..][..2].copy_from_slice(&octet[word * 2 * LANES + lane * 2..][..2]);
+    for (in_block, in_octet, width) in header_places(format) {
+        block[in_block..][..width].copy_from_slice(&octet[in_octet + lane * width..][..width]);
     }
     let quants = &octet[scale_bytes(format)..];
-    let gguf_quants = &mut block[scale_words * 2..];
+    let block_quants = &mut block[format.header_bytes()..];
     for e in 0..BLOCK {
         let (at, high) = quant_place(format, lane, e);
         let quant = if high { quants[at] >> 4 } else { quants[at] };
-        match format {
-            QuantFormat::Q8_0 => gguf_quants[e] = quant,
-            _ => gguf_quants[e % (BLOCK / 2)] |= (quant & 0x0f) << (4 * (e / (BLOCK / 2))),
+        if format.four_bit() {
+            block_quants[e % (BLOCK / 2)] |= (quant & 0x0f) << (4 * (e / (BLOCK / 2)));
+        } else {
+            block_quants[e] = quant;
         }
     }
     block
@@ -368,23 +446,22 @@ impl Tile {
         x: &QuantisedRows,
         w: &PackedMatrix,
     ) -> [[f32; LANES]; R] {
-        use QuantFormat::*;
-        const Q4_0_CODE: u8 = Q4_0.code();
-        const Q4_1_CODE: u8 = Q4_1.code();
-        const Q8_0_CODE: u8 = Q8_0.code();
-        match (isa, w.format()) {
+        /// The tile of `$format` on `isa`'s kernel, one instance per format.
+        macro_rules! per_format {
+            ($kernel:ident, $tile:expr, $($format:ident),*) => {
+                match w.format() {
+                    $(QuantFormat::$format => {
+                        const CODE: u8 = QuantFormat::$format.code();
+                        simd::$kernel::<CODE, R>($tile, x, w)
+                    })*
+                }
+            };
+        }
+        match isa {
             #[cfg(target_arch = "x86_64")]
-            (Isa::Vnni, Q4_0) => simd::tile_vnni::<Q4_0_CODE, R>(self, x, w),
+            Isa::Vnni => per_format!(tile_vnni, self, Q4_0, Q4_1, Q8_0, Q4_K32, Q6_K32),
             #[cfg(target_arch = "x86_64")]
-            (Isa::Vnni, Q4_1) => simd::tile_vnni::<Q4_1_CODE, R>(self, x, w),
-            #[cfg(target_arch = "x86_64")]
-            (Isa::Vnni, Q8_0) => simd::tile_vnni::<Q8_0_CODE, R>(self, x, w),
-            #[cfg(target_arch = "x86_64")]
-            (Isa::Avx2, Q4_0) => simd::tile_avx2::<Q4_0_CODE, R>(self, x, w),
-            #[cfg(target_arch = "x86_64")]
-            (Isa::Avx2, Q4_1) => simd::tile_avx2::<Q4_1_CODE, R>(self, x, w),
-            #[cfg(target_arch = "x86_64")]
-            (Isa::Avx2, Q8_0) => simd::tile_avx2::<Q8_0_CODE, R>(self, x, w),
+            Isa::Avx2 => per_format!(tile_avx2, self, Q4_0, Q4_1, Q8_0, Q4_K32, Q6_K32),
             _ => std::array::from_fn(|r| {
                 std::array::from_fn(|lane| {
                     let column = (self.octet * LANES + lane).min(w.rows().max(1) - 1);
@@ -404,30 +481,38 @@ pub fn reference_dot(w: &PackedMatrix, column: usize, x: &QuantisedRows, row: us
         let block = w.block(column, b);
         let at = row * blocks + b;
         let xq = &x.q[at * BLOCK..][..BLOCK];
-        let mut total: i32 = (0..BLOCK)
-            .map(|e| {
-                let quant = gguf_quant(format, &block, e);
-                let quant = match format {
-                    QuantFormat::Q8_0 => i32::from(quant as i8),
-                    _ => i32::from(quant),
-                };
-                quant * i32::from(xq[e])
-            })
-            .sum();
+        let product = |e: usize| {
+            let quant = block_quant(format, &block, e);
+            let quant = if format.four_bit() {
+                i32::from(quant)
+            } else {
+                i32::from(quant as i8)
+            };
+            quant * i32::from(xq[e])
+        };
+        let [first, second] = [0, 1].map(|h| (h * 16..h * 16 + 16).map(product).sum::<i32>());
+        let mut total = match format {
+            QuantFormat::Q6_K32 => {
+                let [s0, s1] = half_scales(&block).map(i32::from);
+                s0 * first + s1 * second
+            }
+            _ => first + second,
+        };
         if format == QuantFormat::Q4_0 {
             total -= x.offset[at];
         }
-        let d_w = crate::quant::f16_at(&block, 0);
+        let d_w = block_scale(format, &block);
         let half = &mut halves[b % 2];
         *half = (total as f32).mul_add(d_w * x.d[at], *half);
-        if format == QuantFormat::Q4_1 {
-            minimum = crate::quant::f16_at(&block, 2).mul_add(x.sum[at], minimum);
+        if format.has_minimum() {
+            minimum = block_minimum(format, &block).mul_add(x.sum[at], minimum);
         }
     }
     let y = halves[0] + halves[1];
-    match format {
-        QuantFormat::Q4_1 => y + minimum,
-        _ => y,
+    if format.has_minimum() {
+        y + minimum
+    } else {
+        y
     }
 }
 
@@ -440,7 +525,8 @@ mod simd {
     use crate::quant::QuantFormat;
 
     /// One octet's block unpacked: per four-quant step, the weights as unsigned bytes, and for
-    /// `Q8_0` the signed bytes whose signs move onto the activations (zeros otherwise).
+    /// signed-byte formats the signed bytes whose signs move onto the activations (zeros
+    /// otherwise).
     struct Weights {
         unsigned: [__m256i; STEPS],
         signs: [__m256i; STEPS],
@@ -466,39 +552,50 @@ mod simd {
                 let mut halves = [[_mm256_setzero_ps(); 2]; R];
                 let mut minimum = [_mm256_setzero_ps(); R];
                 for b in 0..blocks {
-                    let d_w = _mm256_cvtph_ps(_mm_loadu_si128(at as *const __m128i));
-                    let m_w = _mm256_cvtph_ps(_mm_loadu_si128(at.add(16) as *const __m128i));
+                    let header = Header::load(format, at);
                     let weights = unpack(format, at.add(scale_bytes(format)));
                     for r in 0..R {
                         let block_at = (tile.row + r) * blocks + b;
                         let xq = x.q.as_ptr().add(block_at * BLOCK);
-                        let mut ints = _mm256_setzero_si256();
-                        let mut odd = _mm256_setzero_si256();
-                        for step in (0..STEPS).step_by(2) {
-                            let even_x = activations::<FORMAT>(&weights, step, xq);
-                            let odd_x = activations::<FORMAT>(&weights, step + 1, xq);
-                            ints = $dot4(ints, weights.unsigned[step], even_x);
-                            odd = $dot4(odd, weights.unsigned[step + 1], odd_x);
-                        }
-                        ints = _mm256_add_epi32(ints, odd);
+                        // The integer sums of the block's halves (steps 0..4 cover values 0..16).
+                        let [first, second] = [0, STEPS / 2].map(|start| {
+                            let mut even = _mm256_setzero_si256();
+                            let mut odd = _mm256_setzero_si256();
+                            for step in (start..start + STEPS / 2).step_by(2) {
+                                let even_x = activations::<FORMAT>(&weights, step, xq);
+                                let odd_x = activations::<FORMAT>(&weights, step + 1, xq);
+                                even = $dot4(even, weights.unsigned[step], even_x);
+                                odd = $dot4(odd, weights.unsigned[step + 1], odd_x);
+                            }
+                            _mm256_add_epi32(even, odd)
+                        });
+                        let mut ints = match header.half_scales {
+                            Some([s0, s1]) => _mm256_add_epi32(
+                                _mm256_mullo_epi32(first, s0),
+                                _mm256_mullo_epi32(second, s1),
+                            ),
+                            None => _mm256_add_epi32(first, second),
+                        };
                         if format == QuantFormat::Q4_0 {
                             let offset = _mm256_set1_epi32(*x.offset.get_unchecked(block_at));
                             ints = _mm256_sub_epi32(ints, offset);
                         }
-                        let scale =
-                            _mm256_mul_ps(d_w, _mm256_set1_ps(*x.d.get_unchecked(block_at)));
+                        let scale = _mm256_mul_ps(
+                            header.scale,
+                            _mm256_set1_ps(*x.d.get_unchecked(block_at)),
+                        );
                         let half = &mut halves[r][b % 2];
                         *half = _mm256_fmadd_ps(_mm256_cvtepi32_ps(ints), scale, *half);
-                        if format == QuantFormat::Q4_1 {
+                        if format.has_minimum() {
                             let sum = _mm256_set1_ps(*x.sum.get_unchecked(block_at));
-                            minimum[r] = _mm256_fmadd_ps(m_w, sum, minimum[r]);
+                            minimum[r] = _mm256_fmadd_ps(header.minimum, sum, minimum[r]);
                         }
                     }
                     at = at.add(octet_bytes(format));
                 }
                 std::array::from_fn(|r| {
                     let mut y = _mm256_add_ps(halves[r][0], halves[r][1]);
-                    if format == QuantFormat::Q4_1 {
+                    if format.has_minimum() {
                         y = _mm256_add_ps(y, minimum[r]);
                     }
                     let mut out = [0f32; LANES];
@@ -520,6 +617,45 @@ mod simd {
     pub(super) use avx2::tile as tile_avx2;
     pub(super) use vnni::tile as tile_vnni;
 
+    /// One octet's block header, per lane: the scale `d`, the minimum (zeros where the format
+    /// has none), `Q6_K32`'s half scales.
+    struct Header {
+        scale: __m256,
+        minimum: __m256,
+        half_scales: Option<[__m256i; 2]>,
+    }
+
+    impl Header {
+        #[inline]
+        #[target_feature(enable = "avx2,f16c")]
+        unsafe fn load(format: QuantFormat, at: *const u8) -> Self {
+            let f16s = |at: *const u8| _mm256_cvtph_ps(_mm_loadu_si128(at as *const __m128i));
+            let bytes = |at: *const u8| _mm256_cvtepi8_epi32(_mm_loadl_epi64(at as *const _));
+            match format {
+                QuantFormat::Q4_K32 => Self {
+                    scale: _mm256_loadu_ps(at as *const f32),
+                    minimum: _mm256_loadu_ps(at.add(4 * LANES) as *const f32),
+                    half_scales: None,
+                },
+                QuantFormat::Q6_K32 => Self {
+                    scale: f16s(at),
+                    minimum: _mm256_setzero_ps(),
+                    half_scales: Some([bytes(at.add(2 * LANES)), bytes(at.add(3 * LANES))]),
+                },
+                QuantFormat::Q4_1 => Self {
+                    scale: f16s(at),
+                    minimum: f16s(at.add(2 * LANES)),
+                    half_scales: None,
+                },
+                QuantFormat::Q4_0 | QuantFormat::Q8_0 => Self {
+                    scale: f16s(at),
+                    minimum: _mm256_setzero_ps(),
+                    half_scales: None,
+                },
+            }
+        }
+    }
+
     /// Step `step`'s four activation quants at `xq`, broadcast, signed by `Q8_0`'s weights.
     #[inline]
     #[target_feature(enable = "avx2")]
@@ -529,7 +665,7 @@ mod simd {
         xq: *const i8,
     ) -> __m256i {
         let four = _mm256_set1_epi32((xq.add(step * GROUP) as *const i32).read_unaligned());
-        if FORMAT == QuantFormat::Q8_0.code() {
+        if !QuantFormat::from_code(FORMAT).four_bit() {
             _mm256_sign_epi8(four, weights.signs[step])
         } else {
             four
@@ -557,7 +693,7 @@ mod simd {
             unsigned: [_mm256_setzero_si256(); STEPS],
             signs: [_mm256_setzero_si256(); STEPS],
         };
-        if format == QuantFormat::Q8_0 {
+        if !format.four_bit() {
             for step in 0..STEPS {
                 let signed = _mm256_loadu_si256(at.add(step * 32) as *const __m256i);
                 weights.unsigned[step] = _mm256_sign_epi8(signed, signed);
@@ -582,7 +718,7 @@ mod tests {
     use crate::quant::quantise;
     use crate::quant::tests::random;
 
-    const FORMATS: [QuantFormat; 3] = [QuantFormat::Q4_0, QuantFormat::Q4_1, QuantFormat::Q8_0];
+    const FORMATS: [QuantFormat; 5] = QuantFormat::ALL;
 
     /// Columns `first..first + len` of the product, the rest left NaN.
     fn product(
@@ -608,7 +744,7 @@ mod tests {
         isas
     }
 
-    /// Packing keeps every byte: unpacking gives the GGUF blocks back, and rows dequantise alike.
+    /// Packing keeps every byte: unpacking gives the blocks back, and rows dequantise alike.
     #[test]
     fn packing_then_unpacking_gives_the_blocks_back() {
         for format in FORMATS {

@@ -13,7 +13,8 @@ use candle_core::Device;
 use headway_model::{ModelError, Result};
 
 /// Tensor types the converter dequantises. candle can read a few more, but these are the ones
-/// llama.cpp's common presets produce and the ones the conversion is checked against.
+/// llama.cpp's common presets produce (`Q5_0` and `Q8_0` where `Q4_K_M` rows are not whole
+/// 256-value super-blocks) and the ones the conversion is checked against.
 const SUPPORTED_TYPES: &[GgmlDType] = &[
     GgmlDType::F32,
     GgmlDType::F16,
@@ -21,6 +22,7 @@ const SUPPORTED_TYPES: &[GgmlDType] = &[
     GgmlDType::Q4_0,
     GgmlDType::Q4_1,
     GgmlDType::Q8_0,
+    GgmlDType::Q5_0,
     GgmlDType::Q4K,
     GgmlDType::Q6K,
 ];

@@ -1,7 +1,9 @@
 //! A GGUF file opened as a target, without converting it: config, tokenizer and chat template
-//! from its metadata (as `convert` builds them), and its `Q4_0`, `Q4_1` and `Q8_0` matrices kept
-//! as stored, for Headway's quantised CPU kernels ([`headway_model::quant_kernel`]). Every other
-//! tensor (norms, biases, other block types) is dequantised as `convert` does. On a GPU or in
+//! from its metadata (as `convert` builds them), and its `Q4_0`, `Q4_1`, `Q8_0`, `Q5_0`, `Q4_K`
+//! and `Q6_K` matrices kept as blocks ([`GgufBlocks`]: the first three as stored, the others
+//! re-expressed exactly in 32-value blocks), for Headway's quantised CPU kernels
+//! ([`headway_model::quant_kernel`]). Every other tensor (norms, biases, other block types) is
+//! dequantised as `convert` does. On a GPU or in
 //! another dtype than f32 every tensor is dequantised: the quantised kernels are the CPU's.
 
 use std::collections::HashMap;
@@ -12,7 +14,7 @@ use tch::{Device, Kind, Tensor};
 
 use headway_model::config::HfConfig;
 use headway_model::linear::Matrix;
-use headway_model::quant::{QuantFormat, QuantMatrix};
+use headway_model::quant_gguf::GgufBlocks;
 use headway_model::target::{parse_device, TargetParts};
 use headway_model::{
     ChatTemplate, CpuThreads, Dtype, ModelError, Result, Target, TargetArgs, TextTokenizer,
@@ -109,12 +111,15 @@ impl GgufWeights {
     }
 }
 
-/// The block format Headway multiplies natively for a GGML type, if any.
-fn native_format(dtype: GgmlDType) -> Option<QuantFormat> {
+/// The blocks Headway multiplies natively for a GGML type, if any.
+pub(crate) fn native_blocks(dtype: GgmlDType) -> Option<GgufBlocks> {
     match dtype {
-        GgmlDType::Q4_0 => Some(QuantFormat::Q4_0),
-        GgmlDType::Q4_1 => Some(QuantFormat::Q4_1),
-        GgmlDType::Q8_0 => Some(QuantFormat::Q8_0),
+        GgmlDType::Q4_0 => Some(GgufBlocks::Q4_0),
+        GgmlDType::Q4_1 => Some(GgufBlocks::Q4_1),
+        GgmlDType::Q8_0 => Some(GgufBlocks::Q8_0),
+        GgmlDType::Q5_0 => Some(GgufBlocks::Q5_0),
+        GgmlDType::Q4K => Some(GgufBlocks::Q4_K),
+        GgmlDType::Q6K => Some(GgufBlocks::Q6_K),
         _ => None,
     }
 }
@@ -138,17 +143,17 @@ impl WeightSource for GgufWeights {
     fn matrix(&mut self, name: &str, shape: &[i64]) -> Result<Matrix> {
         let plan = self.plan(name, shape)?;
         let (gguf_name, unpermute) = (plan.gguf_name.clone(), plan.unpermute_heads);
-        let format = native_format(self.file.supported_type(&gguf_name)?);
-        let Some(format) = format.filter(|_| self.native) else {
+        let blocks = native_blocks(self.file.supported_type(&gguf_name)?);
+        let Some(blocks) = blocks.filter(|_| self.native) else {
             return Ok(Matrix::Dense(self.tensor(name, shape)?));
         };
         let (_, bytes) = self.file.read_raw(&gguf_name)?;
         let in_file = |m: String| self.file.error(format!("tensor {gguf_name}: {m}"));
         let (rows, cols) = (shape[0] as usize, shape[1] as usize);
-        let mut blocks = QuantMatrix::new(format, rows, cols, bytes.into()).map_err(in_file)?;
+        let mut matrix = blocks.matrix(rows, cols, bytes).map_err(in_file)?;
         if let Some(heads) = unpermute {
-            blocks = blocks.permute_rows(&rotary_row_order(rows, heads).map_err(in_file)?);
+            matrix = matrix.permute_rows(&rotary_row_order(rows, heads).map_err(in_file)?);
         }
-        Ok(Matrix::quantised(blocks))
+        Ok(Matrix::quantised(matrix))
     }
 }

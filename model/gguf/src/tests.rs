@@ -20,7 +20,8 @@ const HIDDEN: usize = 32;
 const HEADS: usize = 4;
 const KV_HEADS: usize = 2;
 const HEAD_DIM: usize = HIDDEN / HEADS;
-const FFN: usize = 64;
+/// A whole `Q4_K` / `Q6_K` super-block, so that `ffn_down` can take those types.
+const FFN: usize = 256;
 const CONTEXT: usize = 128;
 
 /// The control tokens at ids 0..3, as in SmolLM2.
@@ -658,10 +659,10 @@ fn unsupported_tensor_type_is_named_with_its_tensor() {
         .iter_mut()
         .find(|t| t.gguf_name == "blk.1.ffn_gate.weight")
         .expect("tensor")
-        .dtype = GgmlDType::Q5_0;
+        .dtype = GgmlDType::Q5_1;
     let message = convert_error(&model);
     assert!(
-        message.contains("blk.1.ffn_gate.weight") && message.contains("Q5_0"),
+        message.contains("blk.1.ffn_gate.weight") && message.contains("Q5_1"),
         "{message}"
     );
 }
@@ -774,7 +775,10 @@ fn tensor_shape_that_contradicts_the_metadata_is_named() {
     let message = convert_error(&model);
     assert!(
         message.contains("model.gguf")
-            && message.contains("has shape [64, 32], but the metadata implies [128, 32]"),
+            && message.contains(&format!(
+                "has shape [{FFN}, 32], but the metadata implies [{}, 32]",
+                2 * FFN
+            )),
         "{message}"
     );
 }
@@ -829,8 +833,8 @@ fn decoded_logits(target: &headway_model::Target) -> tch::Tensor {
     tch::Tensor::cat(&rows, 0)
 }
 
-/// A GGUF target opened natively keeps its Q4_0, Q4_1 and Q8_0 matrices as blocks (fused where
-/// q/k/v or gate/up share a format, dense where they do not) and computes what the converted
+/// A GGUF target opened natively keeps its Q4_0, Q4_1, Q8_0, Q5_0, Q4_K and Q6_K matrices as
+/// blocks (q/k/v and gate/up fused even where their types differ) and computes what the converted
 /// directory computes, within the activations' 8-bit rounding. That rounding is coarse here: the
 /// rows are a single 32-value block, so its errors do not average out (4.6 % of the largest logit
 /// measured; SmolLM2's own bound is in `tests/tests/gguf_native.rs`).
@@ -842,14 +846,14 @@ fn a_gguf_target_runs_its_blocks_natively_close_to_the_converted_directory() {
         ("blk.0.attn_k.weight", GgmlDType::Q4_1),
         ("blk.0.attn_v.weight", GgmlDType::Q4_1),
         ("blk.0.attn_output.weight", GgmlDType::Q4_0),
-        ("blk.0.ffn_gate.weight", GgmlDType::Q4_0),
-        ("blk.0.ffn_up.weight", GgmlDType::Q4_0),
-        ("blk.0.ffn_down.weight", GgmlDType::Q8_0),
+        ("blk.0.ffn_gate.weight", GgmlDType::Q5_0),
+        ("blk.0.ffn_up.weight", GgmlDType::Q5_0),
+        ("blk.0.ffn_down.weight", GgmlDType::Q4K),
         ("blk.1.attn_q.weight", GgmlDType::Q8_0),
         ("blk.1.attn_k.weight", GgmlDType::Q4_0),
         ("blk.1.ffn_gate.weight", GgmlDType::Q8_0),
-        ("blk.1.ffn_up.weight", GgmlDType::Q8_0),
-        ("blk.1.ffn_down.weight", GgmlDType::Q4_1),
+        ("blk.1.ffn_up.weight", GgmlDType::Q4_1),
+        ("blk.1.ffn_down.weight", GgmlDType::Q6K),
     ] {
         model.set_type(name, dtype);
     }
@@ -862,6 +866,12 @@ fn a_gguf_target_runs_its_blocks_natively_close_to_the_converted_directory() {
     let converted = headway_model::Target::load(&out, tch::Kind::Float, tch::Device::Cpu, threads)
         .expect("load the converted directory");
 
+    // No matrix fell back to f32: at most 9 bits per weight (Q6_K's sub-blocks) against 32.
+    let (bytes, f32_bytes) = (
+        native.model.decode_step_bytes(),
+        converted.model.decode_step_bytes(),
+    );
+    assert!(bytes * 32 <= f32_bytes * 9, "{bytes} of {f32_bytes} bytes");
     assert!(matches!(
         native.model.lm_head.matrix(),
         headway_model::linear::Matrix::Quantised { .. }
@@ -894,4 +904,45 @@ fn a_gguf_target_runs_its_blocks_natively_close_to_the_converted_directory() {
         together.equal(&got),
         "a 5-token forward differs from decoding"
     );
+}
+
+/// Every block type kept natively stands for exactly the values candle dequantises (`Q5_0`, `Q4_K`
+/// and `Q6_K` are re-expressed, not rounded), also once packed for the kernels; a wrong byte count
+/// is named.
+#[test]
+fn native_blocks_hold_exactly_the_values_candle_dequantises() {
+    let (rows, cols) = (5, 512);
+    let values = Tensor::randn(0f32, 1f32, (rows, cols), &Device::Cpu).expect("values");
+    for dtype in [
+        GgmlDType::Q4_0,
+        GgmlDType::Q4_1,
+        GgmlDType::Q8_0,
+        GgmlDType::Q5_0,
+        GgmlDType::Q4K,
+        GgmlDType::Q6K,
+    ] {
+        let quantised = QTensor::quantize(&values, dtype).expect("quantise");
+        let want: Vec<f32> = quantised
+            .dequantize(&Device::Cpu)
+            .and_then(|t| t.flatten_all()?.to_vec1())
+            .expect("dequantise");
+        let bytes = quantised.data().expect("bytes").into_owned();
+        let blocks = crate::native::native_blocks(dtype).expect("a native type");
+        let matrix = blocks.matrix(rows, cols, bytes.clone()).expect("blocks");
+        let packed = headway_model::linear::Matrix::quantised(matrix.clone());
+        for got in [
+            matrix.dequantise(tch::Kind::Float, tch::Device::Cpu),
+            packed.dense().shallow_clone(),
+        ] {
+            let got = Vec::<f32>::try_from(got.flatten(0, 1)).expect("floats");
+            let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+            assert_eq!(bits(&got), bits(&want), "{dtype:?}");
+        }
+        let err = blocks.matrix(rows, cols, bytes[1..].to_vec()).unwrap_err();
+        assert!(err.contains(&format!("got {}", bytes.len() - 1)), "{err}");
+    }
+    let err = headway_model::quant_gguf::GgufBlocks::Q4_K
+        .matrix(1, 96, vec![])
+        .unwrap_err();
+    assert!(err.contains("256-value blocks"), "{err}");
 }
