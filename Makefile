@@ -110,11 +110,14 @@ bench: model build ref-env
 # against its plain decoding, resident memory, host bandwidth (scripts/bench_llamacpp.py); vLLM's
 # CPU build beside them on the f32 directory of the same model (its own venv, VLLM_ENV below).
 LLAMACPP_METHOD ?= --method lookup
+# More options for the script, e.g. LLAMACPP_ARGS="--requantize Q4_K_M" (the GGUF in llama.cpp's
+# most used preset: Q4_K, Q6_K and, where rows are not whole super-blocks, Q5_0 and Q8_0).
+LLAMACPP_ARGS ?=
 VLLM_ENV := $(HEADWAY_HOME)/vllm-env
 bench-llamacpp: model build ref-env $(VLLM_ENV)/.installed
 	$(PYTHON) scripts/bench_llamacpp.py --headway-bin $(BIN) --questions $(QUESTIONS) --threads 2 \
 		--rounds 2 --method "$(LLAMACPP_METHOD)" --vllm-python $(VLLM_ENV)/bin/python \
-		--json bench-llamacpp.json
+		--json bench-llamacpp.json $(LLAMACPP_ARGS)
 
 # prepare throughput on 200 ShareGPT conversations against the same forward in PyTorch.
 # Speculative decoding on Spec-Bench with the committed EAGLE head (pretrained/), against plain

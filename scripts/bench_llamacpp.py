@@ -17,6 +17,11 @@
    Q4_1 kernels): batch-1 prefill and decoding rates, and the rate for all prompts in one batch;
 4. ``llama-bench -p 512 -n 128`` (llama.cpp's synthetic prefill and decoding figures).
 
+With ``--requantize TYPE`` (``Q4_K_M``, what most published GGUFs use), llama.cpp's
+``llama-quantize --allow-requantize`` first turns the GGUF into that type, once, under
+``$HEADWAY_HOME/gguf``, and every tool runs on the result. From the embedded Q4_1 file that is a
+second rounding of the weights: fine for speed, not a quality figure.
+
 Where llama.cpp's repacked (AMX) kernels die on this host (seen on a VM whose Xeon reports AMX:
 SIGILL or SIGSEGV in ``tinygemm_kernel_amx<block_q8_1, block_q4_1>``), both tools run with repacking off
 (``--no-repack`` / ``--repack 0``), and the report says so.
@@ -46,7 +51,7 @@ from smollm2_gguf_path import add_source_arguments, smollm2_gguf
 SDIST = "llama_cpp_python-0.3.36.tar.gz"
 SDIST_SHA256 = "832db0699007f1be95a7e41ef12e88926b02ba836461e36a36372db2760c1a2e"
 SIMPLE_INDEX = "https://pypi.org/simple/llama-cpp-python/"
-TARGETS = ("llama-bench", "llama-completion")
+TARGETS = ("llama-bench", "llama-completion", "llama-quantize")
 QUESTION_STRIDE = 60
 NUM_PROMPTS = 8
 
@@ -60,10 +65,11 @@ def build_llamacpp(home: Path, jobs: int) -> Path:
         return bin_dir
     root.mkdir(parents=True, exist_ok=True)
     archive = root / SDIST
-    if not archive.exists() or sha256(archive) != SDIST_SHA256:
-        download_sdist(archive)
-    with tarfile.open(archive) as tar:
-        tar.extractall(root, filter="data")
+    if not source.is_dir():
+        if not archive.exists() or sha256(archive) != SDIST_SHA256:
+            download_sdist(archive)
+        with tarfile.open(archive) as tar:
+            tar.extractall(root, filter="data")
     cmake = Path(sys.executable).parent / "cmake"
     if not cmake.exists():
         subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", "cmake"], check=True)
@@ -73,6 +79,19 @@ def build_llamacpp(home: Path, jobs: int) -> Path:
     subprocess.run([cmake, "--build", source / "build", "-j", str(jobs), "--target", *TARGETS],
                    check=True)
     return bin_dir
+
+
+def requantized(bin_dir: Path, gguf: Path, kind: str, home: Path, threads: int) -> Path:
+    """`gguf` turned into `kind` by llama-quantize, made once under `home`/gguf."""
+    out = home / "gguf" / f"{gguf.stem.rsplit('.', 1)[0]}.{kind}.gguf"
+    if out.exists():
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    partial = out.with_suffix(".partial")
+    subprocess.run([bin_dir / "llama-quantize", "--allow-requantize", gguf, partial, kind,
+                    str(threads)], check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    partial.rename(out)
+    return out
 
 
 def download_sdist(archive: Path) -> None:
@@ -215,6 +234,8 @@ def main() -> None:
     parser.add_argument("--vllm-model", type=Path, default=Path(os.environ.get(
         "HEADWAY_HOME", Path.home() / ".cache/headway")) / "models/SmolLM2-135M-Instruct",
                         help="the same model as an f32 HF directory, for vLLM")
+    parser.add_argument("--requantize", metavar="TYPE", default=None,
+                        help="run on the GGUF requantised to TYPE by llama-quantize (e.g. Q4_K_M)")
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args()
     if args.vllm_python and not (args.vllm_model / "config.json").is_file():
@@ -225,6 +246,8 @@ def main() -> None:
                  "builds vLLM's venv)")
     gguf = args.gguf or smollm2_gguf()
     bin_dir = build_llamacpp(args.home, jobs=args.threads)
+    if args.requantize:
+        gguf = requantized(bin_dir, gguf, args.requantize, args.home, args.threads)
     prompts = chat_prompts(gguf, args.questions)
     repack = repack_runs(bin_dir, gguf, args.threads)
     rounds = []

@@ -2,13 +2,12 @@
 //! per weight the file holds instead of 32.
 //!
 //! A [`QuantMatrix`] is `[rows, cols]` in the HF layout (one weight row per output feature), each
-//! row a run of 32-element blocks. GGUF's `Q4_0`, `Q4_1` and `Q8_0` blocks are kept byte for
-//! byte; its other common types are re-expressed exactly in 32-element blocks at load
-//! ([`GgufBlocks`]): `Q5_0` as `Q8_0`, and `Q4_K`'s and `Q6_K`'s 32-value sub-blocks as
-//! [`QuantFormat::Q4_K32`] and [`QuantFormat::Q6_K32`], with the super-block scales multiplied
-//! in. Every value stays the one the file stands for (the tests compare with candle's
-//! dequantisation bit for bit); the price is bytes: `Q4_K` streams 6 bits per weight instead of
-//! 4.5, `Q6_K` 9 instead of 6.6, `Q5_0` 8.5 instead of 5.5.
+//! row a run of 32-element blocks. GGUF's `Q4_0`, `Q4_1`, `Q5_0` and `Q8_0` blocks are kept byte
+//! for byte; `Q4_K`'s and `Q6_K`'s 32-value sub-blocks are re-expressed exactly at load
+//! ([`crate::quant_gguf::GgufBlocks`]) as [`QuantFormat::Q4_K32`] and [`QuantFormat::Q6_K32`],
+//! with the super-block scales multiplied in. Every value stays the one the file stands for (the
+//! tests compare with candle's dequantisation bit for bit); the price is bytes: `Q4_K` streams 6
+//! bits per weight instead of 4.5, `Q6_K` 9 instead of 6.6.
 //!
 //! [`crate::quant_kernel`] interleaves the rows by eight ([`crate::quant_kernel::PackedMatrix`],
 //! the same bytes) and multiplies activations by them without widening them;
@@ -34,6 +33,9 @@ pub enum QuantFormat {
     Q4_1,
     /// f16 scale `d`, 32 signed bytes `q`: value `q · d`.
     Q8_0,
+    /// f16 scale `d`, 32 high bits (bit `e` for element `e`), 16 bytes of low nibbles as in
+    /// `Q4_0`: value `(q − 16) · d`, `q` the 5-bit quant.
+    Q5_0,
     /// One `Q4_K` sub-block: f32 scale `d` (the super-block's f16 scale times the 6-bit
     /// sub-block scale, exact in f32), f32 minimum `m` (minus the super-block's f16 minimum
     /// times the 6-bit sub-block minimum), 16 bytes of 4-bit `q` as in `Q4_1`: value `q · d + m`.
@@ -46,10 +48,11 @@ pub enum QuantFormat {
 
 impl QuantFormat {
     /// Every format, for tests and benchmarks.
-    pub const ALL: [Self; 5] = [
+    pub const ALL: [Self; 6] = [
         Self::Q4_0,
         Self::Q4_1,
         Self::Q8_0,
+        Self::Q5_0,
         Self::Q4_K32,
         Self::Q6_K32,
     ];
@@ -59,6 +62,7 @@ impl QuantFormat {
         match self {
             Self::Q4_0 | Self::Q8_0 => &[2],
             Self::Q4_1 => &[2, 2],
+            Self::Q5_0 => &[2, 4],
             Self::Q4_K32 => &[4, 4],
             Self::Q6_K32 => &[2, 1, 1],
         }
@@ -74,10 +78,19 @@ impl QuantFormat {
         bytes
     }
 
-    /// Whether the quants are 4-bit nibbles (element `j` low, `j + 16` high in byte `j`) rather
-    /// than signed bytes.
-    pub const fn four_bit(self) -> bool {
-        matches!(self, Self::Q4_0 | Self::Q4_1 | Self::Q4_K32)
+    /// Whether the quants are unsigned, their low four bits in nibbles (element `j` low, `j + 16`
+    /// high in byte `j`; `Q5_0`'s fifth bit in its header), rather than signed bytes.
+    pub const fn nibbles(self) -> bool {
+        !matches!(self, Self::Q8_0 | Self::Q6_K32)
+    }
+
+    /// What the unsigned quants are offset by (`Q4_0`: 8, `Q5_0`: 16), else 0.
+    pub const fn quant_offset(self) -> i32 {
+        match self {
+            Self::Q4_0 => 8,
+            Self::Q5_0 => 16,
+            _ => 0,
+        }
     }
 
     /// Whether values add a per-block minimum (`q · d + m`).
@@ -87,7 +100,7 @@ impl QuantFormat {
 
     /// Bytes one block of [`BLOCK`] elements occupies.
     pub const fn block_bytes(self) -> usize {
-        self.header_bytes() + if self.four_bit() { BLOCK / 2 } else { BLOCK }
+        self.header_bytes() + if self.nibbles() { BLOCK / 2 } else { BLOCK }
     }
 
     /// A number per format, for kernels instantiated per format (const generics take integers).
@@ -101,7 +114,8 @@ impl QuantFormat {
             0 => Self::Q4_0,
             1 => Self::Q4_1,
             2 => Self::Q8_0,
-            3 => Self::Q4_K32,
+            3 => Self::Q5_0,
+            4 => Self::Q4_K32,
             _ => Self::Q6_K32,
         }
     }
@@ -112,6 +126,7 @@ impl QuantFormat {
             Self::Q4_0 => "Q4_0",
             Self::Q4_1 => "Q4_1",
             Self::Q8_0 => "Q8_0",
+            Self::Q5_0 => "Q5_0",
             Self::Q4_K32 => "Q4_K32",
             Self::Q6_K32 => "Q6_K32",
         }
@@ -148,16 +163,25 @@ pub(crate) fn block_minimum(format: QuantFormat, block: &[u8]) -> f32 {
     }
 }
 
-/// Element `e`'s quant in a block: the unsigned nibble of 4-bit formats, else the signed byte
-/// (as its two's-complement `u8`).
+/// Element `e`'s quant in a block: unsigned for [`QuantFormat::nibbles`] formats (with
+/// `Q5_0`'s fifth bit), else the signed byte (as its two's-complement `u8`).
 #[inline(always)]
 pub(crate) fn block_quant(format: QuantFormat, block: &[u8], e: usize) -> u8 {
     let quants = &block[format.header_bytes()..];
-    if format.four_bit() {
-        (quants[e % (BLOCK / 2)] >> (4 * (e / (BLOCK / 2)))) & 0x0f
-    } else {
-        quants[e]
+    if !format.nibbles() {
+        return quants[e];
     }
+    let low = (quants[e % (BLOCK / 2)] >> (4 * (e / (BLOCK / 2)))) & 0x0f;
+    match format {
+        QuantFormat::Q5_0 => low | (((high_bits(block) >> e) & 1) as u8) << 4,
+        _ => low,
+    }
+}
+
+/// `Q5_0`'s 32 high bits, bit `e` for element `e`.
+#[inline(always)]
+pub(crate) fn high_bits(block: &[u8]) -> u32 {
+    u32::from_le_bytes([block[2], block[3], block[4], block[5]])
 }
 
 /// [`QuantFormat::Q6_K32`]'s scales of the block's two halves.
@@ -172,7 +196,9 @@ pub(crate) fn dequantise_block(format: QuantFormat, block: &[u8], out: &mut [f32
     for (e, value) in out.iter_mut().enumerate().take(BLOCK) {
         let q = block_quant(format, block, e);
         *value = match format {
-            QuantFormat::Q4_0 => (f32::from(q) - 8.0) * d,
+            QuantFormat::Q4_0 | QuantFormat::Q5_0 => {
+                (f32::from(q) - format.quant_offset() as f32) * d
+            }
             QuantFormat::Q4_1 | QuantFormat::Q4_K32 => {
                 f32::from(q) * d + block_minimum(format, block)
             }
@@ -347,14 +373,21 @@ pub fn quantise(format: QuantFormat, values: &[f32], rows: usize, cols: usize) -
                 data.extend_from_slice(&f16_bytes(d));
                 data.extend(block.iter().map(|v| (v * inverse(d)).round() as i8 as u8));
             }
-            QuantFormat::Q4_0 => {
-                // The value of largest magnitude maps to −8 (llama.cpp's choice: one more level).
+            QuantFormat::Q4_0 | QuantFormat::Q5_0 => {
+                // The value of largest magnitude maps to −8 / −16 (llama.cpp's choice: one more
+                // level).
                 let max = block
                     .iter()
                     .fold(0f32, |a, &v| if v.abs() > a.abs() { v } else { a });
-                let d = max / -8.0;
+                let offset = format.quant_offset() as f32;
+                let d = max / -offset;
+                let q = |v: f32| ((v * inverse(d) + offset + 0.5) as u8).min(2 * offset as u8 - 1);
                 data.extend_from_slice(&f16_bytes(d));
-                data.extend(nibbles(&|v| ((v * inverse(d) + 8.5) as u8).min(15), block));
+                if format == QuantFormat::Q5_0 {
+                    let high = (0..BLOCK).fold(0u32, |h, e| h | u32::from(q(block[e]) >> 4) << e);
+                    data.extend_from_slice(&high.to_le_bytes());
+                }
+                data.extend(nibbles(&|v| q(v) & 0x0f, block));
             }
             QuantFormat::Q4_1 | QuantFormat::Q4_K32 => {
                 let min = block.iter().copied().fold(f32::INFINITY, f32::min);
@@ -417,6 +450,7 @@ pub(crate) mod tests {
             (QuantFormat::Q4_1, 15.0),
             (QuantFormat::Q4_K32, 15.0),
             (QuantFormat::Q4_0, 8.0),
+            (QuantFormat::Q5_0, 16.0),
             (QuantFormat::Q6_K32, 62.0),
         ] {
             let matrix = quantise(format, &values, 4, 64);

@@ -1,6 +1,5 @@
 //! GGUF's block types, turned into the 32-value blocks of [`QuantFormat`] at load: `Q4_0`,
-//! `Q4_1` and `Q8_0` as they are, `Q5_0` as `Q8_0` (its 5-bit quants minus 16 fit a signed
-//! byte, the scale is the same f16), `Q4_K` and `Q6_K` one 32-value sub-block per block
+//! `Q4_1`, `Q5_0` and `Q8_0` as they are, `Q4_K` and `Q6_K` one 32-value sub-block per block
 //! ([`QuantFormat::Q4_K32`], [`QuantFormat::Q6_K32`]). Each value is the one llama.cpp's (and
 //! candle's) dequantisation gives, bit for bit: the sub-block scales are products of an f16 and
 //! a 6- or 8-bit integer, exact in f32, and the tests replay candle's arithmetic.
@@ -48,7 +47,8 @@ impl GgufBlocks {
         match self {
             Self::Q4_0 => QuantFormat::Q4_0,
             Self::Q4_1 => QuantFormat::Q4_1,
-            Self::Q8_0 | Self::Q5_0 => QuantFormat::Q8_0,
+            Self::Q8_0 => QuantFormat::Q8_0,
+            Self::Q5_0 => QuantFormat::Q5_0,
             Self::Q4_K => QuantFormat::Q4_K32,
             Self::Q6_K => QuantFormat::Q6_K32,
         }
@@ -71,10 +71,9 @@ impl GgufBlocks {
             ));
         }
         let convert: fn(&[u8], &mut Vec<u8>) = match self {
-            Self::Q4_0 | Self::Q4_1 | Self::Q8_0 => {
+            Self::Q4_0 | Self::Q4_1 | Self::Q5_0 | Self::Q8_0 => {
                 return QuantMatrix::new(self.format(), rows, cols, bytes.into())
             }
-            Self::Q5_0 => q5_0_as_q8_0,
             Self::Q4_K => q4_k_as_sub_blocks,
             Self::Q6_K => q6_k_as_sub_blocks,
         };
@@ -84,18 +83,6 @@ impl GgufBlocks {
         }
         QuantMatrix::new(self.format(), rows, cols, data.into())
     }
-}
-
-/// `Q5_0` (f16 `d`, 32 high bits, 16 bytes of low nibbles: value `(q − 16) · d`) as `Q8_0`.
-fn q5_0_as_q8_0(block: &[u8], out: &mut Vec<u8>) {
-    let high = u32::from_le_bytes([block[2], block[3], block[4], block[5]]);
-    let low = &block[6..22];
-    out.extend_from_slice(&block[..2]);
-    out.extend((0..BLOCK).map(|e| {
-        let nibble = (low[e % 16] >> (4 * (e / 16))) & 0x0f;
-        let q = nibble | (((high >> e) & 1) as u8) << 4;
-        (q as i8 - 16) as u8
-    }));
 }
 
 /// Sub-block `j`'s 6-bit scale and minimum from `Q4_K`'s 12 packed bytes (llama.cpp's

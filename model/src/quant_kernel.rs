@@ -236,7 +236,7 @@ const fn scale_bytes(format: QuantFormat) -> usize {
 /// Where element `e` of lane `lane` lives in an octet's quants: byte, and for 4-bit formats
 /// whether it is the high nibble.
 fn quant_place(format: QuantFormat, lane: usize, e: usize) -> (usize, bool) {
-    if format.four_bit() {
+    if format.nibbles() {
         let (chunk, within) = (e / 8, e % 8);
         (chunk * 32 + lane * GROUP + within % GROUP, within >= GROUP)
     } else {
@@ -253,30 +253,72 @@ fn header_places(format: QuantFormat) -> impl Iterator<Item = (usize, usize, usi
     })
 }
 
+/// Where `Q5_0`'s high bit of element `e` sits in the kernel's copy of the 32-bit word: bit
+/// `8i + s` for element `4s + i`, so that one shift and mask put step `s`'s four bits at bit 4
+/// of the four bytes that hold their nibbles.
+const fn kernel_high_bit(e: usize) -> usize {
+    8 * (e % GROUP) + e / GROUP
+}
+
+/// `Q5_0`'s high bits (bit `e` for element `e`) in the kernel's order, or back with `inverse`.
+fn reorder_high_bits(word: [u8; 4], inverse: bool) -> [u8; 4] {
+    let word = u32::from_le_bytes(word);
+    let moved = (0..BLOCK).fold(0u32, |out, e| {
+        let (from, to) = if inverse {
+            (kernel_high_bit(e), e)
+        } else {
+            (e, kernel_high_bit(e))
+        };
+        out | ((word >> from) & 1) << to
+    });
+    moved.to_le_bytes()
+}
+
+/// `Q5_0`'s header field holding the high bits.
+const HIGH_BITS_FIELD: usize = 1;
+
 /// Writes `block` as lane `lane` of `octet`.
 fn pack_block(format: QuantFormat, block: &[u8], lane: usize, octet: &mut [u8]) {
-    for (in_block, in_octet, width) in header_places(format) {
-        octet[in_octet + lane * width..][..width].copy_from_slice(&block[in_block..][..width]);
+    for (field, (in_block, in_octet, width)) in header_places(format).enumerate() {
+        let bytes = &block[in_block..][..width];
+        let out = &mut octet[in_octet + lane * width..][..width];
+        match (format, field) {
+            (QuantFormat::Q5_0, HIGH_BITS_FIELD) => {
+                out.copy_from_slice(&reorder_high_bits(bytes.try_into().unwrap(), false))
+            }
+            _ => out.copy_from_slice(bytes),
+        }
     }
     let quants = &mut octet[scale_bytes(format)..];
     for e in 0..BLOCK {
         let (at, high) = quant_place(format, lane, e);
-        quants[at] |= block_quant(format, block, e) << if high { 4 } else { 0 };
+        let mut quant = block_quant(format, block, e);
+        if format.nibbles() {
+            quant &= 0x0f;
+        }
+        quants[at] |= quant << if high { 4 } else { 0 };
     }
 }
 
 /// Lane `lane` of `octet` as a block.
 fn unpack_block(format: QuantFormat, octet: &[u8], lane: usize) -> Vec<u8> {
     let mut block = vec![0u8; format.block_bytes()];
-    for (in_block, in_octet, width) in header_places(format) {
-        block[in_block..][..width].copy_from_slice(&octet[in_octet + lane * width..][..width]);
+    for (field, (in_block, in_octet, width)) in header_places(format).enumerate() {
+        let bytes = &octet[in_octet + lane * width..][..width];
+        let out = &mut block[in_block..][..width];
+        match (format, field) {
+            (QuantFormat::Q5_0, HIGH_BITS_FIELD) => {
+                out.copy_from_slice(&reorder_high_bits(bytes.try_into().unwrap(), true))
+            }
+            _ => out.copy_from_slice(bytes),
+        }
     }
     let quants = &octet[scale_bytes(format)..];
     let block_quants = &mut block[format.header_bytes()..];
     for e in 0..BLOCK {
         let (at, high) = quant_place(format, lane, e);
         let quant = if high { quants[at] >> 4 } else { quants[at] };
-        if format.four_bit() {
+        if format.nibbles() {
             block_quants[e % (BLOCK / 2)] |= (quant & 0x0f) << (4 * (e / (BLOCK / 2)));
         } else {
             block_quants[e] = quant;
@@ -294,8 +336,8 @@ pub struct QuantisedRows {
     d: Vec<f32>,
     /// `d · Σq`, what a weight minimum (`Q4_1`) multiplies,
     sum: Vec<f32>,
-    /// and `8 Σq` (`Q4_0`'s offset of 8, subtracted from the unsigned weights' product).
-    offset: Vec<i32>,
+    /// and `Σq`, what an offset of the unsigned weights (`Q4_0`'s 8, `Q5_0`'s 16) multiplies.
+    sum_q: Vec<i32>,
 }
 
 impl QuantisedRows {
@@ -308,7 +350,7 @@ impl QuantisedRows {
             q: vec![0; x.len()],
             d: Vec::with_capacity(blocks),
             sum: Vec::with_capacity(blocks),
-            offset: Vec::with_capacity(blocks),
+            sum_q: Vec::with_capacity(blocks),
         };
         for (values, q) in x.chunks_exact(BLOCK).zip(rows.q.chunks_exact_mut(BLOCK)) {
             let amax = values.iter().fold(0f32, |a, v| a.max(v.abs()));
@@ -321,7 +363,7 @@ impl QuantisedRows {
             }
             rows.d.push(d);
             rows.sum.push(d * total as f32);
-            rows.offset.push(8 * total);
+            rows.sum_q.push(total);
         }
         rows
     }
@@ -459,9 +501,9 @@ impl Tile {
         }
         match isa {
             #[cfg(target_arch = "x86_64")]
-            Isa::Vnni => per_format!(tile_vnni, self, Q4_0, Q4_1, Q8_0, Q4_K32, Q6_K32),
+            Isa::Vnni => per_format!(tile_vnni, self, Q4_0, Q4_1, Q8_0, Q5_0, Q4_K32, Q6_K32),
             #[cfg(target_arch = "x86_64")]
-            Isa::Avx2 => per_format!(tile_avx2, self, Q4_0, Q4_1, Q8_0, Q4_K32, Q6_K32),
+            Isa::Avx2 => per_format!(tile_avx2, self, Q4_0, Q4_1, Q8_0, Q5_0, Q4_K32, Q6_K32),
             _ => std::array::from_fn(|r| {
                 std::array::from_fn(|lane| {
                     let column = (self.octet * LANES + lane).min(w.rows().max(1) - 1);
@@ -483,7 +525,7 @@ pub fn reference_dot(w: &PackedMatrix, column: usize, x: &QuantisedRows, row: us
         let xq = &x.q[at * BLOCK..][..BLOCK];
         let product = |e: usize| {
             let quant = block_quant(format, &block, e);
-            let quant = if format.four_bit() {
+            let quant = if format.nibbles() {
                 i32::from(quant)
             } else {
                 i32::from(quant as i8)
@@ -498,9 +540,7 @@ pub fn reference_dot(w: &PackedMatrix, column: usize, x: &QuantisedRows, row: us
             }
             _ => first + second,
         };
-        if format == QuantFormat::Q4_0 {
-            total -= x.offset[at];
-        }
+        total -= format.quant_offset() * x.sum_q[at];
         let d_w = block_scale(format, &block);
         let half = &mut halves[b % 2];
         *half = (total as f32).mul_add(d_w * x.d[at], *half);
@@ -553,7 +593,7 @@ mod simd {
                 let mut minimum = [_mm256_setzero_ps(); R];
                 for b in 0..blocks {
                     let header = Header::load(format, at);
-                    let weights = unpack(format, at.add(scale_bytes(format)));
+                    let weights = unpack(format, at);
                     for r in 0..R {
                         let block_at = (tile.row + r) * blocks + b;
                         let xq = x.q.as_ptr().add(block_at * BLOCK);
@@ -576,8 +616,9 @@ mod simd {
                             ),
                             None => _mm256_add_epi32(first, second),
                         };
-                        if format == QuantFormat::Q4_0 {
-                            let offset = _mm256_set1_epi32(*x.offset.get_unchecked(block_at));
+                        if format.quant_offset() != 0 {
+                            let sum_q = *x.sum_q.get_unchecked(block_at);
+                            let offset = _mm256_set1_epi32(format.quant_offset() * sum_q);
                             ints = _mm256_sub_epi32(ints, offset);
                         }
                         let scale = _mm256_mul_ps(
@@ -647,7 +688,7 @@ mod simd {
                     minimum: f16s(at.add(2 * LANES)),
                     half_scales: None,
                 },
-                QuantFormat::Q4_0 | QuantFormat::Q8_0 => Self {
+                QuantFormat::Q4_0 | QuantFormat::Q5_0 | QuantFormat::Q8_0 => Self {
                     scale: f16s(at),
                     minimum: _mm256_setzero_ps(),
                     half_scales: None,
@@ -665,7 +706,7 @@ mod simd {
         xq: *const i8,
     ) -> __m256i {
         let four = _mm256_set1_epi32((xq.add(step * GROUP) as *const i32).read_unaligned());
-        if !QuantFormat::from_code(FORMAT).four_bit() {
+        if !QuantFormat::from_code(FORMAT).nibbles() {
             _mm256_sign_epi8(four, weights.signs[step])
         } else {
             four
@@ -685,15 +726,16 @@ mod simd {
         _mm256_dpbusd_epi32(acc, unsigned, signed)
     }
 
-    /// The quants at `at` (see [`PackedMatrix`]) as one [`Weights`].
+    /// The quants of the octet block at `at` (see [`PackedMatrix`]) as one [`Weights`].
     #[inline]
     #[target_feature(enable = "avx2")]
-    unsafe fn unpack(format: QuantFormat, at: *const u8) -> Weights {
+    unsafe fn unpack(format: QuantFormat, octet: *const u8) -> Weights {
+        let at = octet.add(scale_bytes(format));
         let mut weights = Weights {
             unsigned: [_mm256_setzero_si256(); STEPS],
             signs: [_mm256_setzero_si256(); STEPS],
         };
-        if !format.four_bit() {
+        if !format.nibbles() {
             for step in 0..STEPS {
                 let signed = _mm256_loadu_si256(at.add(step * 32) as *const __m256i);
                 weights.unsigned[step] = _mm256_sign_epi8(signed, signed);
@@ -708,6 +750,21 @@ mod simd {
                     _mm256_and_si256(_mm256_srli_epi16(packed, 4), mask);
             }
         }
+        if format == QuantFormat::Q5_0 {
+            // Step `s`'s high bits sit at bits `8i + s` of each lane's word (`kernel_high_bit`):
+            // shifted to bit 4 of byte `i`, they complete the four quants' fifth bits.
+            let words = _mm256_loadu_si256(octet.add(2 * LANES) as *const __m256i);
+            let fifth = _mm256_set1_epi8(0x10);
+            for (step, unsigned) in weights.unsigned.iter_mut().enumerate() {
+                let shift = 4 - step as i32;
+                let moved = if shift >= 0 {
+                    _mm256_sllv_epi32(words, _mm256_set1_epi32(shift))
+                } else {
+                    _mm256_srlv_epi32(words, _mm256_set1_epi32(-shift))
+                };
+                *unsigned = _mm256_or_si256(*unsigned, _mm256_and_si256(moved, fifth));
+            }
+        }
         weights
     }
 }
@@ -718,7 +775,7 @@ mod tests {
     use crate::quant::quantise;
     use crate::quant::tests::random;
 
-    const FORMATS: [QuantFormat; 5] = QuantFormat::ALL;
+    const FORMATS: [QuantFormat; 6] = QuantFormat::ALL;
 
     /// Columns `first..first + len` of the product, the rest left NaN.
     fn product(

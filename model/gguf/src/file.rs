@@ -15,7 +15,7 @@ use headway_model::{ModelError, Result};
 /// Tensor types the converter dequantises. candle can read a few more, but these are the ones
 /// llama.cpp's common presets produce (`Q5_0` and `Q8_0` where `Q4_K_M` rows are not whole
 /// 256-value super-blocks) and the ones the conversion is checked against.
-const SUPPORTED_TYPES: &[GgmlDType] = &[
+pub(crate) const SUPPORTED_TYPES: &[GgmlDType] = &[
     GgmlDType::F32,
     GgmlDType::F16,
     GgmlDType::BF16,

@@ -913,21 +913,17 @@ fn a_gguf_target_runs_its_blocks_natively_close_to_the_converted_directory() {
 fn native_blocks_hold_exactly_the_values_candle_dequantises() {
     let (rows, cols) = (5, 512);
     let values = Tensor::randn(0f32, 1f32, (rows, cols), &Device::Cpu).expect("values");
-    for dtype in [
-        GgmlDType::Q4_0,
-        GgmlDType::Q4_1,
-        GgmlDType::Q8_0,
-        GgmlDType::Q5_0,
-        GgmlDType::Q4K,
-        GgmlDType::Q6K,
-    ] {
+    let native = crate::file::SUPPORTED_TYPES
+        .iter()
+        .filter_map(|&dtype| Some((dtype, crate::native::native_blocks(dtype)?)));
+    assert_eq!(native.clone().count(), 6, "Q4_0, Q4_1, Q8_0, Q5_0, Q4_K, Q6_K");
+    for (dtype, blocks) in native {
         let quantised = QTensor::quantize(&values, dtype).expect("quantise");
         let want: Vec<f32> = quantised
             .dequantize(&Device::Cpu)
             .and_then(|t| t.flatten_all()?.to_vec1())
             .expect("dequantise");
         let bytes = quantised.data().expect("bytes").into_owned();
-        let blocks = crate::native::native_blocks(dtype).expect("a native type");
         let matrix = blocks.matrix(rows, cols, bytes.clone()).expect("blocks");
         let packed = headway_model::linear::Matrix::quantised(matrix.clone());
         for got in [
