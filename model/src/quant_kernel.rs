@@ -592,23 +592,21 @@ mod simd {
                 let mut halves = [[_mm256_setzero_ps(); 2]; R];
                 let mut minimum = [_mm256_setzero_ps(); R];
                 for b in 0..blocks {
-                    let header = Header::load(format, at);
-                    let weights = unpack(format, at);
+                    let header = Header::load::<FORMAT>(at);
+                    let weights = unpack::<FORMAT>(at);
                     for r in 0..R {
                         let block_at = (tile.row + r) * blocks + b;
                         let xq = x.q.as_ptr().add(block_at * BLOCK);
                         // The integer sums of the block's halves (steps 0..4 cover values 0..16).
-                        let [first, second] = [0, STEPS / 2].map(|start| {
-                            let mut even = _mm256_setzero_si256();
-                            let mut odd = _mm256_setzero_si256();
-                            for step in (start..start + STEPS / 2).step_by(2) {
-                                let even_x = activations::<FORMAT>(&weights, step, xq);
-                                let odd_x = activations::<FORMAT>(&weights, step + 1, xq);
-                                even = $dot4(even, weights.unsigned[step], even_x);
-                                odd = $dot4(odd, weights.unsigned[step + 1], odd_x);
-                            }
-                            _mm256_add_epi32(even, odd)
-                        });
+                        // (A loop, not a closure: closures do not take the target features.)
+                        let mut halves_ints = [_mm256_setzero_si256(); 4];
+                        for step in 0..STEPS {
+                            let x4 = activations::<FORMAT>(&weights, step, xq);
+                            let sum = &mut halves_ints[step / (STEPS / 2) * 2 + step % 2];
+                            *sum = $dot4(*sum, weights.unsigned[step], x4);
+                        }
+                        let first = _mm256_add_epi32(halves_ints[0], halves_ints[1]);
+                        let second = _mm256_add_epi32(halves_ints[2], halves_ints[3]);
                         let mut ints = match header.half_scales {
                             Some([s0, s1]) => _mm256_add_epi32(
                                 _mm256_mullo_epi32(first, s0),
@@ -669,7 +667,8 @@ mod simd {
     impl Header {
         #[inline]
         #[target_feature(enable = "avx2,f16c")]
-        unsafe fn load(format: QuantFormat, at: *const u8) -> Self {
+        unsafe fn load<const FORMAT: u8>(at: *const u8) -> Self {
+            let format = QuantFormat::from_code(FORMAT);
             let f16s = |at: *const u8| _mm256_cvtph_ps(_mm_loadu_si128(at as *const __m128i));
             let bytes = |at: *const u8| _mm256_cvtepi8_epi32(_mm_loadl_epi64(at as *const _));
             match format {
@@ -729,7 +728,8 @@ mod simd {
     /// The quants of the octet block at `at` (see [`PackedMatrix`]) as one [`Weights`].
     #[inline]
     #[target_feature(enable = "avx2")]
-    unsafe fn unpack(format: QuantFormat, octet: *const u8) -> Weights {
+    unsafe fn unpack<const FORMAT: u8>(octet: *const u8) -> Weights {
+        let format = QuantFormat::from_code(FORMAT);
         let at = octet.add(scale_bytes(format));
         let mut weights = Weights {
             unsigned: [_mm256_setzero_si256(); STEPS],

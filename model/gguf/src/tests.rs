@@ -916,7 +916,11 @@ fn native_blocks_hold_exactly_the_values_candle_dequantises() {
     let native = crate::file::SUPPORTED_TYPES
         .iter()
         .filter_map(|&dtype| Some((dtype, crate::native::native_blocks(dtype)?)));
-    assert_eq!(native.clone().count(), 6, "Q4_0, Q4_1, Q8_0, Q5_0, Q4_K, Q6_K");
+    assert_eq!(
+        native.clone().count(),
+        6,
+        "Q4_0, Q4_1, Q8_0, Q5_0, Q4_K, Q6_K"
+    );
     for (dtype, blocks) in native {
         let quantised = QTensor::quantize(&values, dtype).expect("quantise");
         let want: Vec<f32> = quantised
