@@ -45,12 +45,21 @@ fn perturbed_copy(seed: u64, noise: f64) -> (tempfile::TempDir, Target) {
     let dir = tempfile::tempdir().unwrap();
     write_tiny_model(dir.path(), seed).unwrap();
     let weights = dir.path().join("model.safetensors");
-    tch::manual_seed(seed as i64);
-    let perturbed: Vec<(String, Tensor)> = Tensor::read_safetensors(&weights)
-        .unwrap()
+    // Its own generator, not libtorch's global one: tests running beside this one draw from that
+    // too, and the copy would change with the scheduling.
+    let mut rng = StdRng::seed_from_u64(seed);
+    let mut normal = move || {
+        // Box–Muller.
+        let (u, v): (f64, f64) = (1.0 - rng.random::<f64>(), rng.random());
+        (-2.0 * u.ln()).sqrt() * (std::f64::consts::TAU * v).cos()
+    };
+    let mut tensors = Tensor::read_safetensors(&weights).unwrap();
+    tensors.sort_by(|a, b| a.0.cmp(&b.0));
+    let perturbed: Vec<(String, Tensor)> = tensors
         .into_iter()
         .map(|(name, w)| {
-            let factor = w.randn_like() * noise + 1.0;
+            let epsilon: Vec<f32> = (0..w.numel()).map(|_| normal() as f32).collect();
+            let factor = Tensor::from_slice(&epsilon).view(w.size().as_slice()) * noise + 1.0;
             (name, w * factor)
         })
         .collect();
