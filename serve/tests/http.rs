@@ -332,10 +332,27 @@ fn the_api_key_is_required_when_set() {
     let (status, error) = post_raw(&server, path, body.as_bytes(), Some("wrong"));
     assert_eq!(status, 401);
     assert_eq!(error["error"]["type"], "invalid_api_key");
+    // A prefix, a longer key, another case: all refused.
+    for wrong in ["sesam", "sesame!", "SESAME"] {
+        assert_eq!(post_raw(&server, path, body.as_bytes(), Some(wrong)).0, 401);
+    }
     assert_eq!(
         post_raw(&server, path, body.as_bytes(), Some("sesame")).0,
         200
     );
+    // Every endpoint but /health, GETs included.
+    for endpoint in ["/v1/models", "/metrics", "/no-such-path"] {
+        let url = format!("{}{endpoint}", server.url);
+        match ureq::get(&url).call() {
+            Err(ureq::Error::Status(401, _)) => {}
+            other => panic!("{endpoint} without a key: {other:?}"),
+        }
+        let keyed = ureq::get(&url).set("Authorization", "Bearer sesame").call();
+        assert!(
+            !matches!(keyed, Err(ureq::Error::Status(401, _))),
+            "{endpoint} with the key"
+        );
+    }
     assert!(ureq::get(&format!("{}/health", server.url)).call().is_ok());
 }
 

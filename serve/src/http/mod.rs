@@ -48,7 +48,8 @@ pub struct HttpArgs {
     pub host: String,
     #[arg(long, default_value_t = 8000)]
     pub port: u16,
-    /// Require `Authorization: Bearer KEY` on /v1/* (also read from HEADWAY_API_KEY).
+    /// Require `Authorization: Bearer KEY` on every endpoint but /health (also read from
+    /// HEADWAY_API_KEY).
     #[arg(long, env = "HEADWAY_API_KEY", hide_env_values = true)]
     pub api_key: Option<String>,
     /// Requests waiting for the engine beyond the running one; more get 429.
@@ -172,16 +173,16 @@ async fn shutdown_signal() {
     tracing::info!("shutdown requested: finishing in-flight requests");
 }
 
-/// API key check on /v1/*, and request counting by path and status.
+/// API key check on every path but `/health` (a load balancer's probe carries no key), and
+/// request counting by path and status.
 async fn guard(State(state): State<Arc<AppState>>, request: Request, next: Next) -> Response {
     let path = request.uri().path().to_string();
-    let authorized = match (&state.api_key, path.starts_with("/v1/")) {
-        (Some(key), true) => request
+    let authorized = match &state.api_key {
+        Some(key) if path != "/health" => request
             .headers()
             .get(header::AUTHORIZATION)
-            .and_then(|v| v.to_str().ok())
-            .and_then(|v| v.strip_prefix("Bearer "))
-            .is_some_and(|given| given == key),
+            .and_then(|v| v.as_bytes().strip_prefix(b"Bearer "))
+            .is_some_and(|given| key_matches(given, key.as_bytes())),
         _ => true,
     };
     let response = if authorized {
@@ -208,6 +209,13 @@ async fn guard(State(state): State<Arc<AppState>>, request: Request, next: Next)
     };
     state.metrics.request(label, response.status().as_u16());
     response
+}
+
+/// Whether `given` is `key`, in time that depends on neither's content (only on the lengths), so
+/// that response times do not reveal how much of a guess was right.
+fn key_matches(given: &[u8], key: &[u8]) -> bool {
+    use subtle::ConstantTimeEq;
+    bool::from(given.ct_eq(key))
 }
 
 async fn models(State(state): State<Arc<AppState>>) -> Json<serde_json::Value> {
