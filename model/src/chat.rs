@@ -135,7 +135,15 @@ impl ChatTemplate {
         };
         let bos = config.bos_token.map(TokenField::text).unwrap_or_default();
         let eos = config.eos_token.map(TokenField::text).unwrap_or_default();
-        Self::new(template, bos, eos).map(Some)
+        // A template that does not compile is a fault of this file: say which.
+        Self::new(template, bos, eos)
+            .map_err(|e| match e {
+                ModelError::Template(message) => {
+                    ModelError::Template(format!("{}: {message}", path.display()))
+                }
+                other => other,
+            })
+            .map(Some)
     }
 
     /// Compiles `template`.

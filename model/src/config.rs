@@ -23,13 +23,15 @@ pub enum Architecture {
 const SUPPORTED: &str = "LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM";
 
 impl Architecture {
-    fn from_hf_name(name: &str) -> Result<Self> {
+    /// The architecture HF calls `name`, in the config at `path`.
+    fn from_hf_name(name: &str, path: &Path) -> Result<Self> {
         match name {
             "LlamaForCausalLM" => Ok(Self::Llama),
             "MistralForCausalLM" => Ok(Self::Mistral),
             "Qwen2ForCausalLM" => Ok(Self::Qwen2),
             "Qwen3ForCausalLM" => Ok(Self::Qwen3),
             other => Err(ModelError::UnsupportedArchitecture {
+                path: path.to_path_buf(),
                 name: other.to_string(),
                 supported: SUPPORTED.to_string(),
             }),
@@ -152,7 +154,7 @@ impl HfConfig {
         let arch_name = self.architectures.first().ok_or_else(|| {
             bad("no `architectures` entry: cannot tell which model this is".into())
         })?;
-        let architecture = Architecture::from_hf_name(arch_name)?;
+        let architecture = Architecture::from_hf_name(arch_name, path)?;
         let num_key_value_heads = self.num_key_value_heads.unwrap_or(self.num_attention_heads);
         if self.num_attention_heads == 0 || num_key_value_heads == 0 {
             return Err(bad(

@@ -19,8 +19,12 @@ pub enum ModelError {
     },
     #[error("config {path}: {message}")]
     Config { path: PathBuf, message: String },
-    #[error("unsupported architecture {name:?}: supported are {supported}")]
-    UnsupportedArchitecture { name: String, supported: String },
+    #[error("{path}: unsupported architecture {name:?}: supported are {supported}")]
+    UnsupportedArchitecture {
+        path: PathBuf,
+        name: String,
+        supported: String,
+    },
     #[error("safetensors {path}: {message}")]
     Safetensors { path: PathBuf, message: String },
     #[error("weight {name}: expected shape {expected:?}, found {found:?}")]

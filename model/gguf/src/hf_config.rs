@@ -25,6 +25,7 @@ impl GgufArchitecture {
             "qwen2" => Ok(Self::Qwen2),
             "qwen3" => Ok(Self::Qwen3),
             other => Err(ModelError::UnsupportedArchitecture {
+                path: file.path().to_path_buf(),
                 name: other.to_string(),
                 supported: Self::SUPPORTED.to_string(),
             }),

@@ -61,7 +61,16 @@ struct GgufVocab<'a> {
     pre: Option<&'a str>,
 }
 
+/// The tokenizer the metadata of `file` describes; an error names the file (a vocabulary the
+/// tokenizers crate refuses is a fault of this file, not of the machine).
 pub(super) fn build(file: &GgufFile, model_max_length: usize) -> Result<TokenizerFiles> {
+    build_files(file, model_max_length).map_err(|e| match e {
+        ModelError::Tokenizer(message) => file.error(format!("tokenizer: {message}")),
+        other => other,
+    })
+}
+
+fn build_files(file: &GgufFile, model_max_length: usize) -> Result<TokenizerFiles> {
     let model = file.string("tokenizer.ggml.model")?;
     if model != "gpt2" {
         return Err(file.error(format!(
