@@ -117,6 +117,7 @@ impl WeightSource for &Params {
             })?;
         if tensor.size() != shape {
             return Err(ModelError::Shape {
+                path: "the head's parameters".into(),
                 name: name.to_string(),
                 expected: shape.to_vec(),
                 found: tensor.size(),

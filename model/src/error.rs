@@ -27,8 +27,11 @@ pub enum ModelError {
     },
     #[error("safetensors {path}: {message}")]
     Safetensors { path: PathBuf, message: String },
-    #[error("weight {name}: expected shape {expected:?}, found {found:?}")]
+    #[error(
+        "weight {name} in {path} has shape {found:?}; the model's config asks for {expected:?}"
+    )]
     Shape {
+        path: PathBuf,
         name: String,
         expected: Vec<i64>,
         found: Vec<i64>,

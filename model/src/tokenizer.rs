@@ -26,8 +26,28 @@ impl TextTokenizer {
                 std::io::Error::new(std::io::ErrorKind::NotFound, "tokenizer file not found"),
             ));
         }
-        let inner = tokenizers::Tokenizer::from_file(path)
-            .map_err(|e| tokenizer_error(&path.display().to_string(), e))?;
+        let text = std::fs::read_to_string(path).map_err(|e| ModelError::io(path, e))?;
+        // JSON errors first, with their line: the tokenizers crate unwraps some of them inside
+        // its own deserialisers (0.22: a control character in a decoder's string panics).
+        serde_json::from_str::<serde::de::IgnoredAny>(&text).map_err(|source| {
+            ModelError::Json {
+                path: path.to_path_buf(),
+                source,
+            }
+        })?;
+        // Valid JSON it still cannot take may panic there too: a fault of this file, not ours.
+        let parsed = std::panic::catch_unwind(|| text.parse::<tokenizers::Tokenizer>()).map_err(
+            |panic| {
+                let what = panic
+                    .downcast_ref::<String>()
+                    .map(String::as_str)
+                    .or_else(|| panic.downcast_ref::<&str>().copied())
+                    .unwrap_or("a panic");
+                let message = format!("the tokenizers crate cannot read it ({what})");
+                tokenizer_error(&path.display().to_string(), message)
+            },
+        )?;
+        let inner = parsed.map_err(|e| tokenizer_error(&path.display().to_string(), e))?;
         Ok(Self { inner })
     }
 

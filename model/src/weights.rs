@@ -147,6 +147,7 @@ impl SafetensorsWeights {
         let stored = file.read(name)?;
         if stored.size() != shape {
             return Err(ModelError::Shape {
+                path: file.path.clone(),
                 name: name.to_string(),
                 expected: shape.to_vec(),
                 found: stored.size(),
