@@ -33,6 +33,8 @@ const WEIGHTS_FILE: &str = "model.safetensors";
 const TRAINING_DIR: &str = "training";
 const OPTIMIZER_FILE: &str = "optimizer.safetensors";
 const TRAINER_STATE_FILE: &str = "trainer_state.json";
+/// SHA-256 of each training-state file, by name (checkpoints written before it lack it).
+const TRAINING_CHECKSUMS_FILE: &str = "checksums.json";
 
 #[derive(Debug, thiserror::Error)]
 pub enum CheckpointError {
@@ -196,6 +198,14 @@ pub fn save(
         write_file(&dir.join(OPTIMIZER_FILE), &bytes)?;
         let json = serde_json::to_string_pretty(&training.trainer).expect("JSON value serialises");
         write_file(&dir.join(TRAINER_STATE_FILE), json.as_bytes())?;
+        let checksums = serde_json::json!({
+            OPTIMIZER_FILE: bytes_sha256(&bytes),
+            TRAINER_STATE_FILE: bytes_sha256(json.as_bytes()),
+        });
+        write_file(
+            &dir.join(TRAINING_CHECKSUMS_FILE),
+            checksums.to_string().as_bytes(),
+        )?;
     }
     if final_dir.exists() {
         std::fs::remove_dir_all(&final_dir).map_err(|e| ModelError::io(&final_dir, e))?;
@@ -277,17 +287,50 @@ pub fn load(path: &Path) -> Result<Checkpoint> {
     })
 }
 
-/// Reads the training state saved with the checkpoint at `dir`.
+/// Reads the training state saved with the checkpoint at `dir`, verifying its checksums where
+/// the checkpoint has them.
 pub fn load_training_state(dir: &Path) -> Result<(BTreeMap<String, Tensor>, serde_json::Value)> {
     let training = dir.join(TRAINING_DIR);
+    let checksums = training_checksums(dir)?;
+    let read = |name: &str| -> Result<Vec<u8>> {
+        let path = training.join(name);
+        let bytes = std::fs::read(&path).map_err(|e| ModelError::io(&path, e))?;
+        let Some(checksums) = &checksums else {
+            return Ok(bytes);
+        };
+        let listed = format!("{TRAINING_DIR}/{TRAINING_CHECKSUMS_FILE}");
+        match checksums.get(name).and_then(|v| v.as_str()) {
+            None => Err(invalid(dir, format!("{listed} has no checksum for {name}"))),
+            Some(expected) if bytes_sha256(&bytes) != expected => Err(invalid(
+                dir,
+                format!("{TRAINING_DIR}/{name} is corrupt: its checksum is not {expected}"),
+            )),
+            Some(_) => Ok(bytes),
+        }
+    };
     let optimizer_path = training.join(OPTIMIZER_FILE);
-    let bytes = std::fs::read(&optimizer_path).map_err(|e| ModelError::io(&optimizer_path, e))?;
-    let (optimizer, _) = from_safetensors_bytes(&bytes, &optimizer_path)?;
-    let state_path = training.join(TRAINER_STATE_FILE);
-    let text = std::fs::read_to_string(&state_path).map_err(|e| ModelError::io(&state_path, e))?;
+    let (optimizer, _) = from_safetensors_bytes(&read(OPTIMIZER_FILE)?, &optimizer_path)?;
+    let text = String::from_utf8(read(TRAINER_STATE_FILE)?)
+        .map_err(|e| invalid(dir, format!("{TRAINER_STATE_FILE}: {e}")))?;
     let state = serde_json::from_str(&text)
         .map_err(|e| invalid(dir, format!("{TRAINER_STATE_FILE}: {e}")))?;
     Ok((optimizer.into_iter().collect(), state))
+}
+
+/// The training state's checksums file of the checkpoint at `dir`, if it has one.
+fn training_checksums(dir: &Path) -> Result<Option<serde_json::Value>> {
+    let path = dir.join(TRAINING_DIR).join(TRAINING_CHECKSUMS_FILE);
+    if !path.exists() {
+        return Ok(None);
+    }
+    let text = std::fs::read_to_string(&path).map_err(|e| ModelError::io(&path, e))?;
+    let checksums: serde_json::Value = serde_json::from_str(&text).map_err(|e| {
+        invalid(
+            dir,
+            format!("{TRAINING_DIR}/{TRAINING_CHECKSUMS_FILE}: {e}"),
+        )
+    })?;
+    Ok(Some(checksums))
 }
 
 impl Checkpoint {
@@ -360,6 +403,70 @@ mod tests {
             err.contains("sha256:abc") && err.contains("sha256:def"),
             "{err}"
         );
+    }
+
+    /// Issue 23: seeded truncations and bit flips of each file of a checkpoint: loading it and
+    /// its training state either succeeds or fails with an error naming the checkpoint, never
+    /// panics; the weights and the training state carry checksums, so only a flip in the config
+    /// can still load (one that leaves valid JSON of the right shape: a different step, say).
+    #[test]
+    fn corrupted_checkpoint_files_give_named_errors_never_panics() {
+        use rand::{Rng, SeedableRng};
+        let mut rng = rand::rngs::StdRng::seed_from_u64(23);
+        let out = tempfile::tempdir().unwrap();
+        let w = Tensor::randn([4, 4], (Kind::Float, Device::Cpu));
+        let training = TrainingState {
+            optimizer: vec![("m.w".into(), w.ones_like())],
+            trainer: serde_json::json!({"step": 5, "rng": [1, 2, 3]}),
+        };
+        let dir = save(out.path(), &config(5), &[("w".into(), w)], Some(&training)).unwrap();
+        let training_dir = Path::new(TRAINING_DIR);
+        for file in [
+            Path::new(CONFIG_FILE).to_path_buf(),
+            Path::new(WEIGHTS_FILE).to_path_buf(),
+            training_dir.join(OPTIMIZER_FILE),
+            training_dir.join(TRAINER_STATE_FILE),
+            training_dir.join(TRAINING_CHECKSUMS_FILE),
+        ] {
+            let path = dir.join(&file);
+            let bytes = std::fs::read(&path).unwrap();
+            let (mut errors, mut loaded) = (0, 0);
+            for case in 0..200 {
+                let mut corrupt = bytes.clone();
+                if case % 3 == 0 {
+                    corrupt.truncate(rng.random_range(0..bytes.len()));
+                } else {
+                    for _ in 0..rng.random_range(1..4) {
+                        let at = rng.random_range(0..bytes.len());
+                        corrupt[at] ^= 1 << rng.random_range(0..8);
+                    }
+                }
+                if corrupt == bytes {
+                    continue; // two flips of one bit
+                }
+                std::fs::write(&path, &corrupt).unwrap();
+                let outcome = std::panic::catch_unwind(|| {
+                    load(&dir)
+                        .and_then(|c| load_training_state(&c.dir))
+                        .map(|_| ())
+                });
+                match outcome {
+                    Ok(Ok(())) => loaded += 1,
+                    Ok(Err(e)) => {
+                        let message = e.to_string();
+                        let named = message.contains("step-00000005");
+                        assert!(named, "{} case {case}: {message}", file.display());
+                        errors += 1;
+                    }
+                    Err(_) => panic!("{} case {case} panicked", file.display()),
+                }
+            }
+            std::fs::write(&path, &bytes).unwrap();
+            eprintln!("{}: {errors} named errors, {loaded} loaded", file.display());
+            if file != Path::new(CONFIG_FILE) {
+                assert_eq!(loaded, 0, "{}: checksummed, never silently", file.display());
+            }
+        }
     }
 
     #[test]
