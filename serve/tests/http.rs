@@ -1,131 +1,15 @@
 //! The real `headway-serve http` binary on a loopback port with the tiny random model.
 
-use std::io::{BufRead, BufReader, Read};
-use std::net::TcpListener;
+mod common;
+
+use std::io::{BufRead, BufReader};
 use std::path::Path;
-use std::process::{Child, Command, Stdio};
+use std::process::Command;
 use std::time::{Duration, Instant};
 
+use common::{chat, post, post_raw, start, start_on, stream};
 use headway_model::testing::{real_target_dir, write_tiny_model};
 use serde_json::{json, Value};
-
-struct Server {
-    child: Child,
-    url: String,
-    _dir: tempfile::TempDir,
-}
-
-impl Drop for Server {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
-
-fn free_port() -> u16 {
-    TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
-}
-
-/// Starts the server on the tiny model with prompt lookup and `extra` options; waits for /health.
-fn start(extra: &[&str]) -> Server {
-    let dir = tempfile::tempdir().unwrap();
-    let target = dir.path().join("target");
-    write_tiny_model(&target, 41).unwrap();
-    start_on(&target, dir, extra)
-}
-
-fn start_on(target: &Path, dir: tempfile::TempDir, extra: &[&str]) -> Server {
-    let port = free_port();
-    let child = Command::new(env!("CARGO_BIN_EXE_headway-serve"))
-        .args(["http", "--threads", "1", "--port"])
-        .arg(port.to_string())
-        // Prompt lookup unless the test picks the method.
-        .args(if extra.contains(&"--method") {
-            &[][..]
-        } else {
-            &["--method", "lookup"][..]
-        })
-        .arg("--target")
-        .arg(target)
-        .args(extra)
-        .stdout(Stdio::null())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
-    let url = format!("http://127.0.0.1:{port}");
-    let deadline = Instant::now() + Duration::from_secs(60);
-    while ureq::get(&format!("{url}/health")).call().is_err() {
-        assert!(Instant::now() < deadline, "the server did not come up");
-        std::thread::sleep(Duration::from_millis(100));
-    }
-    Server {
-        child,
-        url,
-        _dir: dir,
-    }
-}
-
-/// POSTs `body` (raw bytes) and returns (status, parsed JSON body).
-fn post_raw(server: &Server, path: &str, body: &[u8], key: Option<&str>) -> (u16, Value) {
-    let mut request =
-        ureq::post(&format!("{}{path}", server.url)).set("Content-Type", "application/json");
-    if let Some(key) = key {
-        request = request.set("Authorization", &format!("Bearer {key}"));
-    }
-    let response = match request.send_bytes(body) {
-        Ok(r) => r,
-        Err(ureq::Error::Status(_, r)) => r,
-        Err(e) => panic!("{e}"),
-    };
-    let status = response.status();
-    let text = response.into_string().unwrap();
-    (
-        status,
-        serde_json::from_str(&text).unwrap_or(Value::String(text)),
-    )
-}
-
-fn post(server: &Server, path: &str, body: &Value) -> (u16, Value) {
-    post_raw(server, path, body.to_string().as_bytes(), None)
-}
-
-fn chat(content: &str, max_tokens: usize) -> Value {
-    json!({"messages": [{"role": "user", "content": content}], "max_tokens": max_tokens, "temperature": 0})
-}
-
-/// Content deltas of a streamed response, and its last JSON chunk.
-fn stream(server: &Server, path: &str, body: &Value) -> (String, Value) {
-    let mut body = body.clone();
-    body["stream"] = json!(true);
-    body["stream_options"] = json!({"include_usage": true});
-    let response = ureq::post(&format!("{}{path}", server.url))
-        .send_string(&body.to_string())
-        .unwrap();
-    let (mut text, mut last, mut done) = (String::new(), Value::Null, false);
-    for line in BufReader::new(response.into_reader()).lines() {
-        let line = line.unwrap();
-        let Some(data) = line.strip_prefix("data: ") else {
-            continue;
-        };
-        if data == "[DONE]" {
-            done = true;
-            break;
-        }
-        let chunk: Value = serde_json::from_str(data).unwrap();
-        let choice = &chunk["choices"][0];
-        let piece = choice["delta"]["content"]
-            .as_str()
-            .or(choice["text"].as_str());
-        text.push_str(piece.unwrap_or(""));
-        last = chunk;
-    }
-    assert!(done, "the stream ended without data: [DONE]");
-    (text, last)
-}
 
 #[test]
 fn completions_chat_streaming_and_stop_strings() {
@@ -481,14 +365,7 @@ fn sigterm_lets_the_running_request_finish_then_exits_zero() {
     );
     let status = server.child.wait().unwrap();
     assert!(status.success(), "exit status {status}");
-    let mut log = String::new();
-    server
-        .child
-        .stderr
-        .take()
-        .unwrap()
-        .read_to_string(&mut log)
-        .unwrap();
+    let log = server.log();
     assert!(log.contains("shut down"), "{log}");
 }
 

@@ -146,6 +146,8 @@ fn router(state: Arc<AppState>, max_body_bytes: usize) -> Router {
         .route("/v1/models", get(models))
         .route("/health", get(|| async { "ok" }))
         .route("/metrics", get(render_metrics))
+        .fallback(unknown_path)
+        .method_not_allowed_fallback(wrong_method)
         .layer(axum::middleware::from_fn_with_state(state.clone(), guard))
         .layer(DefaultBodyLimit::max(max_body_bytes))
         .with_state(state)
@@ -216,6 +218,23 @@ async fn guard(State(state): State<Arc<AppState>>, request: Request, next: Next)
 fn key_matches(given: &[u8], key: &[u8]) -> bool {
     use subtle::ConstantTimeEq;
     bool::from(given.ct_eq(key))
+}
+
+/// Unknown paths get OpenAI's error body too, not an empty 404.
+async fn unknown_path(uri: axum::http::Uri) -> ApiError {
+    ApiError::new(
+        StatusCode::NOT_FOUND,
+        "not_found_error",
+        format!("no such endpoint: {}", uri.path()),
+    )
+}
+
+async fn wrong_method(method: axum::http::Method, uri: axum::http::Uri) -> ApiError {
+    ApiError::new(
+        StatusCode::METHOD_NOT_ALLOWED,
+        "invalid_request_error",
+        format!("{} does not accept {method}", uri.path()),
+    )
 }
 
 async fn models(State(state): State<Arc<AppState>>) -> Json<serde_json::Value> {
