@@ -23,7 +23,7 @@ export HEADWAY_HOME
 export CARGO_TARGET_DIR ?= $(HEADWAY_HOME)/target
 BIN := $(CARGO_TARGET_DIR)/release
 
-.PHONY: demo test build venv model data openai-client ref-env interop-env fixtures bench bench-spec bench-llamacpp bench-prepare bench-train bench-eagle3 interop-vllm exactness clean-cache
+.PHONY: demo test build venv model data openai-client ref-env interop-env fixtures bench bench-spec bench-llamacpp soak bench-prepare bench-train bench-eagle3 interop-vllm exactness clean-cache
 
 demo: model data build
 	BIN=$(BIN) QUESTIONS=$(QUESTIONS) scripts/demo.sh
@@ -114,6 +114,10 @@ LLAMACPP_METHOD ?= --method lookup
 # most used preset: Q4_K, Q6_K and, where rows are not whole super-blocks, Q5_0 and Q8_0).
 LLAMACPP_ARGS ?=
 VLLM_ENV := $(HEADWAY_HOME)/vllm-env
+# The server under 64 concurrent clients against a plain-decoding reference (docs/reliability.md).
+soak: model build
+	BIN=$(BIN) PYTHON=$(PYTHON) QUESTIONS=$(QUESTIONS) scripts/soak.sh
+
 bench-llamacpp: model build ref-env $(VLLM_ENV)/.installed
 	$(PYTHON) scripts/bench_llamacpp.py --headway-bin $(BIN) --questions $(QUESTIONS) --threads 2 \
 		--rounds 2 --method "$(LLAMACPP_METHOD)" --vllm-python $(VLLM_ENV)/bin/python \

@@ -92,6 +92,28 @@ pub struct TargetParts {
     pub chat_template: Option<ChatTemplate>,
 }
 
+impl TargetParts {
+    /// The configuration, tokenizer and chat template of the HF directory `dir` (its weights
+    /// are read by [`Target::load`]).
+    pub fn from_dir(dir: &Path) -> Result<Self> {
+        if !dir.is_dir() {
+            return Err(ModelError::io(
+                dir,
+                std::io::Error::new(
+                    std::io::ErrorKind::NotFound,
+                    "target model directory not found (for the embedded default run `make model`)",
+                ),
+            ));
+        }
+        Ok(Self {
+            path: dir.to_path_buf(),
+            config: ModelConfig::from_dir(dir)?,
+            tokenizer: TextTokenizer::from_file(&dir.join("tokenizer.json"))?,
+            chat_template: ChatTemplate::from_dir(dir)?,
+        })
+    }
+}
+
 /// Everything needed to run a target: model, tokenizer, chat template, stop ids.
 pub struct Target {
     /// The model directory, or the GGUF file.
@@ -116,27 +138,10 @@ impl Target {
     /// Loads the HF directory `dir` with weights in `kind` on `device`, running CPU work on `cpu`;
     /// activations run in [`activation_kind`].
     pub fn load(dir: &Path, kind: Kind, device: Device, cpu: CpuThreads) -> Result<Self> {
-        if !dir.is_dir() {
-            return Err(ModelError::io(
-                dir,
-                std::io::Error::new(
-                    std::io::ErrorKind::NotFound,
-                    "target model directory not found (for the embedded default run `make model`)",
-                ),
-            ));
-        }
-        let config = ModelConfig::from_dir(dir)?;
-        let tokenizer = TextTokenizer::from_file(&dir.join("tokenizer.json"))?;
-        let chat_template = ChatTemplate::from_dir(dir)?;
+        let parts = TargetParts::from_dir(dir)?;
         let activations = activation_kind(kind, device);
         let mut weights =
             SafetensorsWeights::open(dir, activations, device)?.with_matrix_kind(kind);
-        let parts = TargetParts {
-            path: dir.to_path_buf(),
-            config,
-            tokenizer,
-            chat_template,
-        };
         let target = Self::from_parts(parts, &mut weights, activations, device, cpu)?;
         Ok(Self {
             weight_kind: kind,

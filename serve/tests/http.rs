@@ -8,7 +8,7 @@ use std::process::Command;
 use std::time::{Duration, Instant};
 
 use common::{chat, post, post_raw, start, start_on, stream};
-use headway_model::testing::{real_target_dir, write_tiny_model};
+use headway_model::testing::{real_gguf_path, real_target_dir, write_tiny_model};
 use serde_json::{json, Value};
 
 #[test]
@@ -384,4 +384,94 @@ fn the_official_openai_python_client_works_against_the_server() {
         String::from_utf8_lossy(&output.stdout),
         String::from_utf8_lossy(&output.stderr)
     );
+}
+
+#[test]
+fn a_short_soak_mixes_every_kind_of_request_without_errors() {
+    let server = start(&["--max-queue", "8"]);
+    let plain = start(&["--method", "ar"]);
+    let dir = tempfile::tempdir().unwrap();
+    let questions = dir.path().join("questions.jsonl");
+    let lines: Vec<String> = [
+        "count to ten",
+        "name a colour",
+        "say hello",
+        "the sea is",
+        "why?",
+    ]
+    .iter()
+    .enumerate()
+    .map(|(i, turn)| json!({"question_id": i, "category": "soak", "turns": [turn]}).to_string())
+    .collect();
+    std::fs::write(&questions, lines.join("\n")).unwrap();
+    let output = Command::new(env!("CARGO_BIN_EXE_headway-serve"))
+        .args([
+            "load",
+            "--mix",
+            "--requests",
+            "256",
+            "--concurrency",
+            "64",
+            "--max-tokens",
+            "24",
+        ])
+        .args(["--url", &server.url, "--reference-url", &plain.url])
+        .args(["--server-pid", &server.child.id().to_string()])
+        .arg("--questions")
+        .arg(&questions)
+        .output()
+        .unwrap();
+    let report = String::from_utf8_lossy(&output.stdout);
+    assert!(
+        output.status.success(),
+        "{report}\n{}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+    eprintln!("{report}");
+    assert!(report.contains("256 ok, 0 errors"), "{report}");
+    // 64 clients against a queue of 8: the server must have refused some, and they were retried.
+    assert!(!report.contains(" 0 refusals"), "{report}");
+    for kind in [
+        "greedy whole",
+        "greedy streamed",
+        "sampled",
+        "stop string",
+        "cancelled",
+    ] {
+        assert!(report.contains(kind), "no {kind} request: {report}");
+    }
+    assert!(report.contains("identical to plain decoding's"), "{report}");
+    assert!(!server.log().contains("panicked"), "{}", server.log());
+}
+
+/// A GGUF file serves as it runs elsewhere: the server reads the tokenizer and chat template the
+/// file carries (it once read them only from a model directory), so its greedy answer is
+/// `generate --chat`'s on the same file.
+#[test]
+fn the_server_runs_a_gguf_target() {
+    let gguf = real_gguf_path();
+    let question = "List the planets of the solar system, one per line.";
+    let generated = Command::new(env!("CARGO_BIN_EXE_headway-serve"))
+        .args([
+            "generate",
+            "--chat",
+            "--max-new-tokens",
+            "24",
+            "--method",
+            "ar",
+        ])
+        .args(["--prompt", question, "--target"])
+        .arg(&gguf)
+        .output()
+        .unwrap();
+    assert!(generated.status.success(), "{generated:?}");
+    let server = start_on(&gguf, tempfile::tempdir().unwrap(), &[]);
+    let (status, body) = post(&server, "/v1/chat/completions", &chat(question, 24));
+    assert_eq!(status, 200, "{body}");
+    let answer = body["choices"][0]["message"]["content"].as_str().unwrap();
+    assert_eq!(
+        answer,
+        String::from_utf8_lossy(&generated.stdout).trim_end_matches('\n')
+    );
+    assert!(answer.contains("Mars"), "{body}");
 }

@@ -48,24 +48,7 @@ pub fn open_target(path: &Path, kind: Kind, device: Device, cpu: CpuThreads) -> 
         message: format!("cannot run a target in {kind:?}"),
     })?;
     let mut file = GgufFile::open(path)?;
-    let arch = GgufArchitecture::from_file(&file)?;
-    let config_json = hf_config::build(&mut file, arch, dtype)?;
-    let tokenizer = tokenizer::build(&file, config_json.max_position_embeddings)?;
-    let plans = tensors::plan(&file, arch, &config_json)?;
-    let json_error = |source| ModelError::Json {
-        path: path.to_path_buf(),
-        source,
-    };
-    let config: HfConfig = serde_json::to_value(&config_json)
-        .and_then(serde_json::from_value)
-        .map_err(json_error)?;
-    let tokenizer_config = serde_json::to_string(&tokenizer.config).map_err(json_error)?;
-    let parts = TargetParts {
-        path: path.to_path_buf(),
-        config: config.resolve(path)?,
-        tokenizer: TextTokenizer::from_tokenizer(tokenizer.tokenizer),
-        chat_template: ChatTemplate::from_tokenizer_config_text(&tokenizer_config, path)?,
-    };
+    let (parts, plans) = gguf_parts(&mut file, dtype)?;
     let mut weights = GgufWeights {
         plans: plans.into_iter().map(|p| (p.hf_name.clone(), p)).collect(),
         file,
@@ -74,6 +57,40 @@ pub fn open_target(path: &Path, kind: Kind, device: Device, cpu: CpuThreads) -> 
         native: device == Device::Cpu && kind == Kind::Float,
     };
     Target::from_parts(parts, &mut weights, kind, device, cpu)
+}
+
+/// The configuration, tokenizer and chat template of a target (a model directory or a GGUF
+/// file) without its weights: what a server needs to validate and tokenize requests.
+pub fn target_parts(path: &Path) -> Result<TargetParts> {
+    if !path.is_file() {
+        return TargetParts::from_dir(path);
+    }
+    let mut file = GgufFile::open(path)?;
+    Ok(gguf_parts(&mut file, Dtype::F32)?.0)
+}
+
+/// A GGUF file's configuration, tokenizer and chat template, and the plan of its tensors.
+fn gguf_parts(file: &mut GgufFile, dtype: Dtype) -> Result<(TargetParts, Vec<TensorPlan>)> {
+    let path = file.path().to_path_buf();
+    let arch = GgufArchitecture::from_file(file)?;
+    let config_json = hf_config::build(file, arch, dtype)?;
+    let tokenizer = tokenizer::build(file, config_json.max_position_embeddings)?;
+    let plans = tensors::plan(file, arch, &config_json)?;
+    let json_error = |source| ModelError::Json {
+        path: path.clone(),
+        source,
+    };
+    let config: HfConfig = serde_json::to_value(&config_json)
+        .and_then(serde_json::from_value)
+        .map_err(json_error)?;
+    let tokenizer_config = serde_json::to_string(&tokenizer.config).map_err(json_error)?;
+    let parts = TargetParts {
+        config: config.resolve(&path)?,
+        tokenizer: TextTokenizer::from_tokenizer(tokenizer.tokenizer),
+        chat_template: ChatTemplate::from_tokenizer_config_text(&tokenizer_config, &path)?,
+        path,
+    };
+    Ok((parts, plans))
 }
 
 /// The tensors of a GGUF file by HF name.

@@ -11,7 +11,6 @@ pub mod stop;
 pub mod worker;
 
 use std::net::SocketAddr;
-use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::{Instant, SystemTime, UNIX_EPOCH};
 
@@ -82,12 +81,13 @@ struct AppState {
 
 /// Runs the server until SIGTERM or Ctrl-C, then lets in-flight requests finish and returns.
 pub fn run(args: HttpArgs) -> anyhow::Result<()> {
-    let dir: PathBuf = args.target.path();
-    let config = headway_model::ModelConfig::from_dir(&dir)?;
+    // The tokenizer and template that validate requests here; the engine loads the weights.
+    let parts = headway_gguf::target_parts(&args.target.path())?;
+    let context_length = parts.config.max_position_embeddings;
     let max_context = args
         .max_context
-        .unwrap_or(config.max_position_embeddings)
-        .min(config.max_position_embeddings);
+        .unwrap_or(context_length)
+        .min(context_length);
     let metrics = Arc::new(Metrics::default());
     let engine = Engine::start(
         args.target.clone(),
@@ -98,8 +98,8 @@ pub fn run(args: HttpArgs) -> anyhow::Result<()> {
     )?;
     let state = Arc::new(AppState {
         queue: engine.queue.clone(),
-        tokenizer: TextTokenizer::from_file(&dir.join("tokenizer.json"))?,
-        chat_template: ChatTemplate::from_dir(&dir)?,
+        tokenizer: parts.tokenizer,
+        chat_template: parts.chat_template,
         model_name: engine.model_name.clone(),
         method: engine.method.clone(),
         max_context,
