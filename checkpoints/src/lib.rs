@@ -19,7 +19,7 @@ use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
 use headway_heads::MedusaConfig;
-use headway_model::files::write_bytes_atomically;
+use headway_model::files::{remove_stale_temp_files, write_bytes_atomically};
 use headway_model::fingerprint::bytes_sha256;
 use headway_model::safetensors_io::{from_safetensors_bytes, to_safetensors_bytes};
 use headway_model::ModelError;
@@ -165,6 +165,28 @@ pub struct Checkpoint {
 /// Name of the checkpoint directory for `step`.
 pub fn step_dir_name(step: u64) -> String {
     format!("step-{step:08}")
+}
+
+/// Removes what a [`save`] killed midway leaves in `out`: `.step-NNNNNNNN.<random>.tmp/`
+/// directories, never published (the rename is what publishes a checkpoint), and the temporary
+/// file of an unfinished `latest`. Returns how many. Training calls it before it writes into
+/// `out`, so killed runs do not pile them up.
+pub fn remove_unfinished_saves(out: &Path) -> Result<usize> {
+    let entries = match std::fs::read_dir(out) {
+        Ok(entries) => entries,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(0),
+        Err(e) => return Err(ModelError::io(out, e).into()),
+    };
+    let mut removed = 0;
+    for entry in entries {
+        let path = entry.map_err(|e| ModelError::io(out, e))?.path();
+        let name = path.file_name().map(|n| n.to_string_lossy().into_owned());
+        if name.is_some_and(|n| n.starts_with(".step-") && n.ends_with(".tmp")) && path.is_dir() {
+            std::fs::remove_dir_all(&path).map_err(|e| ModelError::io(&path, e))?;
+            removed += 1;
+        }
+    }
+    Ok(removed + remove_stale_temp_files(out)?)
 }
 
 /// Writes a checkpoint of `weights` into `out/step-NNNNNNNN/` and points `out/latest` at it.
@@ -405,13 +427,32 @@ mod tests {
         );
     }
 
+    #[test]
+    fn unfinished_saves_are_removed_and_published_checkpoints_kept() {
+        let out = tempfile::tempdir().unwrap();
+        let w = Tensor::ones([2], (Kind::Float, Device::Cpu));
+        let kept = save(out.path(), &config(2), &[("w".into(), w)], None).unwrap();
+        let unfinished = out.path().join(".step-00000004.Ab12Cd.tmp");
+        std::fs::create_dir_all(unfinished.join(TRAINING_DIR)).unwrap();
+        std::fs::write(unfinished.join(WEIGHTS_FILE), b"half").unwrap();
+        std::fs::write(out.path().join(".latest.Xy34Zw.tmp"), b"step-").unwrap();
+        assert_eq!(remove_unfinished_saves(out.path()).unwrap(), 2);
+        assert!(!unfinished.exists());
+        assert_eq!(load(out.path()).unwrap().dir, kept);
+        assert_eq!(
+            remove_unfinished_saves(&out.path().join("absent")).unwrap(),
+            0
+        );
+    }
+
     /// Issue 23: seeded truncations and bit flips of each file of a checkpoint: loading it and
     /// its training state either succeeds or fails with an error naming the checkpoint, never
     /// panics; the weights and the training state carry checksums, so only a flip in the config
     /// can still load (one that leaves valid JSON of the right shape: a different step, say).
     #[test]
     fn corrupted_checkpoint_files_give_named_errors_never_panics() {
-        use rand::{Rng, SeedableRng};
+        use headway_model::testing::corruption_trial;
+        use rand::SeedableRng;
         let mut rng = rand::rngs::StdRng::seed_from_u64(23);
         let out = tempfile::tempdir().unwrap();
         let w = Tensor::randn([4, 4], (Kind::Float, Device::Cpu));
@@ -429,42 +470,21 @@ mod tests {
             training_dir.join(TRAINING_CHECKSUMS_FILE),
         ] {
             let path = dir.join(&file);
-            let bytes = std::fs::read(&path).unwrap();
-            let (mut errors, mut loaded) = (0, 0);
-            for case in 0..200 {
-                let mut corrupt = bytes.clone();
-                if case % 3 == 0 {
-                    corrupt.truncate(rng.random_range(0..bytes.len()));
-                } else {
-                    for _ in 0..rng.random_range(1..4) {
-                        let at = rng.random_range(0..bytes.len());
-                        corrupt[at] ^= 1 << rng.random_range(0..8);
-                    }
-                }
-                if corrupt == bytes {
-                    continue; // two flips of one bit
-                }
-                std::fs::write(&path, &corrupt).unwrap();
-                let outcome = std::panic::catch_unwind(|| {
-                    load(&dir)
-                        .and_then(|c| load_training_state(&c.dir))
-                        .map(|_| ())
-                });
-                match outcome {
-                    Ok(Ok(())) => loaded += 1,
-                    Ok(Err(e)) => {
-                        let message = e.to_string();
-                        let named = message.contains("step-00000005");
-                        assert!(named, "{} case {case}: {message}", file.display());
-                        errors += 1;
-                    }
-                    Err(_) => panic!("{} case {case} panicked", file.display()),
-                }
-            }
-            std::fs::write(&path, &bytes).unwrap();
-            eprintln!("{}: {errors} named errors, {loaded} loaded", file.display());
+            let open = || {
+                load(&dir)
+                    .and_then(|c| load_training_state(&c.dir))
+                    .map(|_| ())
+            };
+            let named = |message: &str| message.contains("step-00000005");
+            let tally = corruption_trial(&path, usize::MAX, 200, &mut rng, open, named);
+            eprintln!("{}: {tally:?}", file.display());
             if file != Path::new(CONFIG_FILE) {
-                assert_eq!(loaded, 0, "{}: checksummed, never silently", file.display());
+                assert_eq!(
+                    tally.opened,
+                    0,
+                    "{}: checksummed, never silently",
+                    file.display()
+                );
             }
         }
     }

@@ -4,7 +4,8 @@
 use std::path::{Path, PathBuf};
 
 use headway_datasets::features::{
-    prepare, ExtractionSettings, FeatureSet, PrepareOptions, Quiet, RegenerateSettings, ShardSplit,
+    prepare, ExtractionSettings, FeatureSet, Manifest, PrepareOptions, Quiet, RegenerateSettings,
+    ShardSplit,
 };
 use headway_datasets::{CorpusFormat, DatasetError};
 use headway_model::mask::positions;
@@ -350,18 +351,57 @@ fn a_corrupt_shard_and_another_target_are_named() {
     );
 }
 
+/// Property test (issue 23): seeded truncations and bit flips of the manifest and of a shard of
+/// each split, each opened as the trainer opens features (the manifest, then every shard). Every
+/// error names the file; nothing loads corrupted (a shard's size and SHA-256 are in the manifest,
+/// the manifest carries its own SHA-256).
+#[test]
+fn corrupted_features_give_named_errors_never_panics() {
+    use headway_model::testing::corruption_trial;
+    use rand::SeedableRng;
+    let f = fixture();
+    let out = f.root.join("features");
+    let summary = prepare(&f.target, &options(&f.data, &out), &mut Quiet).unwrap();
+    let first_of = |split| {
+        summary
+            .manifest
+            .shards
+            .iter()
+            .find(|s| s.split == split)
+            .unwrap()
+            .file
+            .clone()
+    };
+    let mut rng = rand::rngs::StdRng::seed_from_u64(23);
+    let open = || -> Result<(), DatasetError> {
+        let set = FeatureSet::open(&out)?;
+        for index in 0..set.manifest.shards.len() {
+            set.load_shard(index)?;
+        }
+        Ok(())
+    };
+    for file in [
+        "manifest.json".to_string(),
+        first_of(ShardSplit::Train),
+        first_of(ShardSplit::HeldOut),
+    ] {
+        // A flip in the manifest may make a shard's recorded size or checksum wrong: the error
+        // then names the shard and says the manifest disagrees.
+        let named = |message: &str| message.contains(&file) || message.contains("manifest");
+        let tally = corruption_trial(&out.join(&file), usize::MAX, 300, &mut rng, open, named);
+        eprintln!("{file}: {tally:?}");
+        assert_eq!(tally.opened, 0, "{file}: checksummed, never read corrupted");
+    }
+}
+
 #[test]
 fn an_unfinished_directory_is_not_opened_as_features() {
     let f = fixture();
     let out = f.root.join("features");
     prepare(&f.target, &options(&f.data, &out), &mut Quiet).unwrap();
-    let manifest = out.join("manifest.json");
-    let text = std::fs::read_to_string(&manifest).unwrap();
-    std::fs::write(
-        &manifest,
-        text.replace("\"complete\": true", "\"complete\": false"),
-    )
-    .unwrap();
+    let mut manifest = Manifest::read(&out).unwrap().unwrap();
+    manifest.complete = false;
+    manifest.write(&out).unwrap();
     let err = FeatureSet::open(&out).err().unwrap().to_string();
     assert!(
         err.contains("did not finish") && err.contains("resume"),
@@ -378,8 +418,16 @@ fn a_manifest_with_keys_this_version_does_not_know_is_refused() {
     let out = f.root.join("features");
     prepare(&f.target, &options(&f.data, &out), &mut Quiet).unwrap();
     let path = out.join("manifest.json");
-    let original: serde_json::Value =
+    let mut original: serde_json::Value =
         serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
+    // An edit under the manifest's own checksum is damage; without one (a manifest written before
+    // the checksum, or edited by hand) the keys are what is checked.
+    let mut edited = original.clone();
+    edited["settings"]["rope"] = 1.into();
+    std::fs::write(&path, edited.to_string()).unwrap();
+    let err = FeatureSet::open(&out).err().unwrap().to_string();
+    assert!(err.contains("manifest.json is damaged"), "{err}");
+    original.as_object_mut().unwrap().remove("sha256").unwrap();
     for (edit, key) in [
         (
             &(|v: &mut serde_json::Value| v["settings"]["rope"] = 1.into())

@@ -235,3 +235,57 @@ pub fn fixture_path(name: &str) -> std::path::PathBuf {
         .join("fixtures")
         .join(name)
 }
+
+/// What [`corruption_trial`] saw: errors that name the file, corruptions that still opened, and
+/// cases skipped because their flips cancelled.
+#[derive(Debug, Default, PartialEq)]
+pub struct CorruptionTally {
+    pub errors: usize,
+    pub opened: usize,
+    pub skipped: usize,
+}
+
+/// The corruption property test the readers of every on-disk format share: writes `cases`
+/// seeded corruptions of `original` to `path` — a third truncated at a random length, the rest
+/// with 1–3 random bit flips among its first `flippable` bytes — and opens each with `open`.
+/// Every error must satisfy `named` (its message names the file); a panic fails the test with
+/// the case. `path` holds `original` again afterwards.
+pub fn corruption_trial<E: std::fmt::Display>(
+    path: &Path,
+    flippable: usize,
+    cases: usize,
+    rng: &mut impl rand::Rng,
+    open: impl Fn() -> std::result::Result<(), E>,
+    named: impl Fn(&str) -> bool,
+) -> CorruptionTally {
+    let original = std::fs::read(path).expect("the file to corrupt");
+    let flippable = flippable.min(original.len());
+    let mut tally = CorruptionTally::default();
+    for case in 0..cases {
+        let mut corrupt = original.clone();
+        if case % 3 == 0 {
+            corrupt.truncate(rng.random_range(0..original.len()));
+        } else {
+            for _ in 0..rng.random_range(1..4) {
+                let at = rng.random_range(0..flippable);
+                corrupt[at] ^= 1 << rng.random_range(0..8);
+            }
+        }
+        if corrupt == original {
+            tally.skipped += 1;
+            continue;
+        }
+        std::fs::write(path, &corrupt).expect("write the corruption");
+        match std::panic::catch_unwind(std::panic::AssertUnwindSafe(&open)) {
+            Ok(Ok(())) => tally.opened += 1,
+            Ok(Err(e)) => {
+                let message = e.to_string();
+                assert!(named(&message), "{} case {case}: {message}", path.display());
+                tally.errors += 1;
+            }
+            Err(_) => panic!("{} case {case} panicked", path.display()),
+        }
+    }
+    std::fs::write(path, &original).expect("restore the file");
+    tally
+}

@@ -86,7 +86,12 @@ impl FeatureSet {
     pub fn load_shard(&self, index: usize) -> Result<ShardData> {
         let entry = &self.manifest.shards[index];
         let path = self.dir.join(&entry.file);
-        let bytes = std::fs::read(&path).map_err(|e| DatasetError::io(&path, e))?;
+        let bytes = std::fs::read(&path).map_err(|e| {
+            DatasetError::shard(
+                &path,
+                format!("listed in {MANIFEST_FILE} but unreadable: {e}"),
+            )
+        })?;
         if bytes.len() as u64 != entry.bytes {
             return Err(DatasetError::shard(
                 &path,

@@ -5,6 +5,7 @@
 use std::path::{Path, PathBuf};
 
 use headway_model::files::write_bytes_atomically;
+use headway_model::fingerprint::bytes_sha256;
 use headway_model::json::from_str_strict;
 use headway_model::{Dtype, SamplingParams};
 use serde::{Deserialize, Serialize};
@@ -209,6 +210,11 @@ pub struct Counts {
     pub truncated: usize,
 }
 
+/// The key of the manifest's own checksum: SHA-256 of the rest of it as compact JSON (keys
+/// sorted), so that a damaged manifest is refused instead of read with other settings or counts.
+/// Manifests written before it have none and still load.
+const CHECKSUM_KEY: &str = "sha256";
+
 /// The whole manifest.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct Manifest {
@@ -244,9 +250,26 @@ impl Manifest {
                 ),
             ));
         }
-        let manifest: Manifest = from_str_strict(&text).map_err(|e| {
+        let invalid = |e: &dyn std::fmt::Display| {
             DatasetError::features(dir, format!("{MANIFEST_FILE} is not a valid manifest: {e}"))
-        })?;
+        };
+        let mut value: serde_json::Value = serde_json::from_str(&text).map_err(|e| invalid(&e))?;
+        let recorded = value.as_object_mut().and_then(|o| o.remove(CHECKSUM_KEY));
+        let body = value.to_string();
+        if let Some(recorded) = recorded {
+            let actual = bytes_sha256(body.as_bytes());
+            if recorded.as_str() != Some(actual.as_str()) {
+                return Err(DatasetError::features(
+                    dir,
+                    format!(
+                        "{MANIFEST_FILE} is damaged: its contents hash to {actual}, its \
+                         {CHECKSUM_KEY} says {recorded} (restore it, or rerun prepare into a new \
+                         directory)"
+                    ),
+                ));
+            }
+        }
+        let manifest: Manifest = from_str_strict(&body).map_err(|e| invalid(&e))?;
         if manifest.format != FEATURES_FORMAT {
             return Err(DatasetError::features(
                 dir,
@@ -261,7 +284,10 @@ impl Manifest {
 
     /// Writes `dir/manifest.json` atomically (pretty JSON, so it reads well and diffs).
     pub fn write(&self, dir: &Path) -> Result<()> {
-        let mut text = serde_json::to_string_pretty(self).expect("the manifest serialises");
+        let mut value = serde_json::to_value(self).expect("the manifest serialises");
+        let checksum = bytes_sha256(value.to_string().as_bytes());
+        value[CHECKSUM_KEY] = checksum.into();
+        let mut text = serde_json::to_string_pretty(&value).expect("the manifest serialises");
         text.push('\n');
         write_bytes_atomically(&dir.join(MANIFEST_FILE), text.as_bytes())?;
         Ok(())
