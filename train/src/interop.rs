@@ -210,6 +210,8 @@ pub fn run_export(args: ExportArgs) -> anyhow::Result<()> {
     checkpoint.check_target(&target_fingerprint(&target)?)?;
     std::fs::create_dir_all(&args.out)
         .with_context(|| format!("creating {}", args.out.display()))?;
+    // What an export killed mid-write left; its files are all rewritten below.
+    headway_model::files::remove_stale_temp_files(&args.out)?;
     let mut tensors: Vec<(String, Tensor)> = checkpoint
         .weights
         .iter()

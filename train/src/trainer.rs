@@ -88,6 +88,10 @@ impl Trainer<'_> {
     /// checkpoint in `out` (weights, optimizer, step, data position).
     pub fn run(&self, objective: &mut dyn Objective, resume: bool) -> anyhow::Result<TrainSummary> {
         let s = &self.settings;
+        let unfinished = headway_checkpoints::remove_unfinished_saves(&self.out)?;
+        if unfinished > 0 {
+            eprintln!("removed {unfinished} unfinished checkpoint(s) of an interrupted run");
+        }
         let mut optimizer = AdamW::new(s.adamw, objective.params());
         let mut step = 0;
         let mut position = DataPosition::default();
