@@ -123,23 +123,22 @@ pub fn features(root: &Path) {
         })
         .collect();
     std::fs::write(root.join("chats.jsonl"), lines.join("\n")).unwrap();
-    let target = root.join("target");
-    let out = headway_train(&[
-        "prepare",
-        "--data",
-        root.join("chats.jsonl").to_str().unwrap(),
-        "--target",
-        target.to_str().unwrap(),
-        "--out",
-        root.join("features").to_str().unwrap(),
-        "--dtype",
-        "f32",
-        "--held-out",
-        "0.25",
-        "--layers",
-        "1",
-    ]);
+    let args = prepare_args(root, &root.join("chats.jsonl"), &root.join("features"));
+    let out = headway_train(&as_strs(&args));
     assert!(out.status.success(), "{}", stderr(&out));
+}
+
+/// `headway-train prepare` of the chats in `data` for the tiny target under `root` into `out`:
+/// f32 features of tap 1, a quarter held out.
+pub fn prepare_args(root: &Path, data: &Path, out: &Path) -> Vec<String> {
+    let path = |p: &Path| p.to_str().unwrap().to_string();
+    let mut args = vec!["prepare".to_string(), "--data".into(), path(data)];
+    args.extend(["--target".into(), path(&root.join("target"))]);
+    args.extend(["--out".into(), path(out)]);
+    for flag in ["--dtype", "f32", "--held-out", "0.25", "--layers", "1"] {
+        args.push(flag.into());
+    }
+    args
 }
 
 /// `headway-train HEAD` on the features [`features`] wrote under `root`, 6 steps of 128-token

@@ -13,7 +13,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
-use headway_tests::{binary, features, train_args};
+use headway_tests::{binary, features, prepare_args, train_args};
 use rand::{Rng, SeedableRng};
 
 fn kills_per_command() -> usize {
@@ -199,27 +199,12 @@ fn write_long_corpus(root: &Path) -> PathBuf {
 }
 
 fn prepare_subject(root: &Path) -> Subject {
-    let args = strings(&[
-        "prepare",
-        "--data",
-        write_long_corpus(root).to_str().unwrap(),
-        "--target",
-        root.join("target").to_str().unwrap(),
-        "--dtype",
-        "f32",
-        "--held-out",
-        "0.25",
-        "--layers",
-        "1",
-        "--shard-tokens",
-        "64",
-        "--out",
-    ]);
     let out = root.join("features-killed");
-    let out_arg = out.to_str().unwrap().to_string();
+    let mut args = prepare_args(root, &write_long_corpus(root), &out);
+    args.extend(["--shard-tokens".into(), "64".into()]);
     Subject {
         name: "prepare",
-        args: Box::new(move |_| [args.clone(), vec![out_arg.clone()]].concat()),
+        args: Box::new(move |_| args.clone()),
         out,
     }
 }
