@@ -23,7 +23,7 @@ export HEADWAY_HOME
 export CARGO_TARGET_DIR ?= $(HEADWAY_HOME)/target
 BIN := $(CARGO_TARGET_DIR)/release
 
-.PHONY: demo test build venv model data openai-client ref-env interop-env fixtures bench bench-spec bench-llamacpp soak bench-prepare bench-train bench-eagle3 interop-vllm exactness clean-cache
+.PHONY: demo test build venv model data openai-client ref-env interop-env fixtures bench bench-spec bench-llamacpp soak bench-ranks bench-prepare bench-train bench-eagle3 interop-vllm exactness clean-cache
 
 demo: model data build
 	BIN=$(BIN) QUESTIONS=$(QUESTIONS) scripts/demo.sh
@@ -117,6 +117,10 @@ VLLM_ENV := $(HEADWAY_HOME)/vllm-env
 # The server under 64 concurrent clients against a plain-decoding reference (docs/reliability.md).
 soak: model build
 	BIN=$(BIN) PYTHON=$(PYTHON) QUESTIONS=$(QUESTIONS) scripts/soak.sh
+
+# Data-parallel head training: 1 rank vs 2 ranks over Gloo on loopback, one thread each (issue 24).
+bench-ranks: model data build
+	BIN=$(BIN) PYTHON=$(PYTHON) scripts/bench_ranks.sh
 
 bench-llamacpp: model build ref-env $(VLLM_ENV)/.installed
 	$(PYTHON) scripts/bench_llamacpp.py --headway-bin $(BIN) --questions $(QUESTIONS) --threads 2 \

@@ -4,8 +4,8 @@
 use std::path::{Path, PathBuf};
 
 use headway_datasets::features::{
-    prepare, ExtractionSettings, FeatureSet, Manifest, PrepareOptions, Quiet, RegenerateSettings,
-    ShardSplit,
+    merge, prepare, ExtractionSettings, FeatureSet, Manifest, PrepareOptions, Quiet,
+    RegenerateSettings, ShardSlice, ShardSplit,
 };
 use headway_datasets::{CorpusFormat, DatasetError};
 use headway_model::mask::positions;
@@ -52,6 +52,7 @@ fn options(data: &Path, out: &Path) -> PrepareOptions {
             shard_tokens: 250,
             batch_tokens: 200,
         },
+        slice: None,
         command: vec!["test".into()],
     }
 }
@@ -531,4 +532,169 @@ fn regeneration_uses_the_targets_own_replies_and_resumes_after_a_torn_line() {
         shard_files(&out) == shards,
         "regenerated shards differ after the resume"
     );
+}
+
+/// [`options`] with small shards (several per slice), extracting `slice`.
+fn sliced_options(data: &Path, out: &Path, slice: Option<ShardSlice>) -> PrepareOptions {
+    let mut opts = PrepareOptions {
+        slice,
+        ..options(data, out)
+    };
+    opts.settings.shard_tokens = 100;
+    opts
+}
+
+/// `prepare --shard I/count` of the fixture's corpus into directories `slice-I`.
+fn prepare_slices(f: &Fixture, count: usize) -> Vec<PathBuf> {
+    (0..count)
+        .map(|index| {
+            let dir = f.root.join(format!("slice-{index}"));
+            let opts = sliced_options(&f.data, &dir, Some(ShardSlice { index, count }));
+            prepare(&f.target, &opts, &mut Quiet).unwrap();
+            dir
+        })
+        .collect()
+}
+
+#[test]
+fn three_slices_merged_equal_one_run() {
+    let f = fixture();
+    let whole = f.root.join("whole");
+    let single = prepare(
+        &f.target,
+        &sliced_options(&f.data, &whole, None),
+        &mut Quiet,
+    )
+    .unwrap();
+    assert!(
+        single.manifest.shards.len() >= 5,
+        "enough shards to deal out"
+    );
+    let slices = prepare_slices(&f, 3);
+    for (index, dir) in slices.iter().enumerate() {
+        let m = Manifest::read(dir).unwrap().unwrap();
+        assert_eq!(m.slice, Some(ShardSlice { index, count: 3 }));
+        let expected: Vec<&str> = single
+            .manifest
+            .shards
+            .iter()
+            .skip(index)
+            .step_by(3)
+            .map(|s| s.file.as_str())
+            .collect();
+        let files: Vec<&str> = m.shards.iter().map(|s| s.file.as_str()).collect();
+        assert_eq!(
+            files, expected,
+            "slice {index} holds every third planned shard"
+        );
+    }
+    // Any order of the slices.
+    let merged_dir = f.root.join("merged");
+    let given = [slices[2].clone(), slices[0].clone(), slices[1].clone()];
+    let summary = merge(&given, &merged_dir, vec!["merge".into()]).unwrap();
+    assert_eq!(
+        summary.linked + summary.copied,
+        single.manifest.shards.len()
+    );
+    let merged = FeatureSet::open(&merged_dir).unwrap();
+    assert!(merged.verify().is_empty());
+    assert_eq!(
+        Manifest {
+            command: single.manifest.command.clone(),
+            ..merged.manifest.clone()
+        },
+        single.manifest,
+        "the merged manifest is the single run's but for the command line"
+    );
+    assert_eq!(
+        shard_files(&merged_dir),
+        shard_files(&whole),
+        "byte-identical shards"
+    );
+    // Same sequence ids, same split, same tensors, read back through the feature set.
+    let whole_set = FeatureSet::open(&whole).unwrap();
+    for i in 0..whole_set.manifest.shards.len() {
+        let (a, b) = (
+            whole_set.load_shard(i).unwrap(),
+            merged.load_shard(i).unwrap(),
+        );
+        assert_eq!(a.sequence_ids, b.sequence_ids);
+        assert!(a.hidden.equal(&b.hidden) && a.input_ids.equal(&b.input_ids));
+    }
+    // A rerun of a finished merge changes nothing.
+    let again = merge(&given, &merged_dir, vec!["merge".into()]).unwrap();
+    assert_eq!(again.kept, single.manifest.shards.len());
+}
+
+#[test]
+fn merging_refuses_what_is_not_one_runs_slices() {
+    let f = fixture();
+    let slices = prepare_slices(&f, 3);
+    let out = f.root.join("merged");
+    let error = |given: &[PathBuf]| merge(given, &out, vec![]).unwrap_err().to_string();
+    let missing = error(&slices[..2]);
+    assert!(
+        missing.contains("slices 2..3 of 3 are missing"),
+        "{missing}"
+    );
+    let gap = error(&[slices[0].clone(), slices[2].clone()]);
+    assert!(gap.contains("slice 1/3 is missing"), "{gap}");
+    let twice = error(&[slices[0].clone(), slices[1].clone(), slices[1].clone()]);
+    assert!(twice.contains("a slice given twice"), "{twice}");
+    // A slice of another run: other --max-len.
+    let other = f.root.join("other-2");
+    let mut opts = sliced_options(&f.data, &other, Some(ShardSlice { index: 2, count: 3 }));
+    opts.settings.max_len = 64;
+    prepare(&f.target, &opts, &mut Quiet).unwrap();
+    let foreign = error(&[slices[0].clone(), slices[1].clone(), other.clone()]);
+    assert!(
+        foreign.contains("another run") && foreign.contains("max_len"),
+        "{foreign}"
+    );
+    // A whole run is not a slice.
+    let whole = f.root.join("whole");
+    prepare(
+        &f.target,
+        &sliced_options(&f.data, &whole, None),
+        &mut Quiet,
+    )
+    .unwrap();
+    let not_slice = error(&[whole]);
+    assert!(not_slice.contains("not a slice"), "{not_slice}");
+    // A damaged shard of a slice is named.
+    let manifest = Manifest::read(&slices[1]).unwrap().unwrap();
+    let shard = slices[1].join(&manifest.shards[0].file);
+    let mut bytes = std::fs::read(&shard).unwrap();
+    let last = bytes.len() - 1;
+    bytes[last] ^= 1;
+    std::fs::write(&shard, bytes).unwrap();
+    let damaged = error(&slices);
+    assert!(
+        damaged.contains(&manifest.shards[0].file) && damaged.contains("checksum"),
+        "{damaged}"
+    );
+    assert!(
+        !out.join("manifest.json").exists(),
+        "no manifest for a failed merge"
+    );
+    // A directory resumed with another slice is refused.
+    let opts = sliced_options(&f.data, &slices[0], Some(ShardSlice { index: 1, count: 3 }));
+    let resumed = prepare(&f.target, &opts, &mut Quiet)
+        .unwrap_err()
+        .to_string();
+    assert!(
+        resumed.contains("--shard 0/3") && resumed.contains("--shard 1/3"),
+        "{resumed}"
+    );
+}
+
+#[test]
+fn shard_slices_parse_as_i_of_n() {
+    assert_eq!(
+        "1/3".parse::<ShardSlice>(),
+        Ok(ShardSlice { index: 1, count: 3 })
+    );
+    for bad in ["3/3", "1", "a/3", "1/0", "-1/2"] {
+        assert!(bad.parse::<ShardSlice>().is_err(), "{bad}");
+    }
 }

@@ -29,12 +29,13 @@ pub fn emit() {
     }
 }
 
-/// Compiles the C++ `sources` against libtorch's headers into the static library `name`, linked
-/// into the calling package. For the few ATen entry points `tch` does not wrap; keep such code
-/// to plain C functions that catch every exception.
-pub fn compile_cpp(name: &str, sources: &[&str]) {
-    for source in sources {
-        println!("cargo:rerun-if-changed={source}");
+/// Compiles the C++ `sources` against libtorch's headers (and the package's own `includes`
+/// directories, searched first) into the static library `name`, linked into the calling package.
+/// For the few ATen entry points `tch` does not wrap; keep such code to plain C functions that
+/// catch every exception.
+pub fn compile_cpp(name: &str, sources: &[&str], includes: &[&str]) {
+    for path in sources.iter().chain(includes) {
+        println!("cargo:rerun-if-changed={path}");
     }
     println!("cargo:rerun-if-env-changed=LIBTORCH_CXX11_ABI");
     let lib_dir = std::env::var("DEP_TCH_LIBTORCH_LIB")
@@ -45,6 +46,7 @@ pub fn compile_cpp(name: &str, sources: &[&str]) {
     cc::Build::new()
         .cpp(true)
         .files(sources)
+        .includes(includes)
         .include(&include)
         .include(include.join("torch/csrc/api/include"))
         .flag("-std=c++17")

@@ -147,6 +147,24 @@ impl<'a> BatchStream<'a> {
     /// The next batch, or `None` at the end of the epoch (the position then moves to the next
     /// epoch's start).
     pub fn next_batch(&mut self) -> anyhow::Result<Option<Batch>> {
+        let Some((start, end)) = self.advance()? else {
+            return Ok(None);
+        };
+        let loaded = self
+            .current
+            .as_ref()
+            .expect("advance keeps the shard it read");
+        Ok(Some(self.assemble(&loaded.data, &loaded.order[start..end])))
+    }
+
+    /// Moves past the next batch without assembling it (another rank trains on it); `None` at
+    /// the end of the epoch, as [`Self::next_batch`].
+    pub fn skip_batch(&mut self) -> anyhow::Result<Option<()>> {
+        Ok(self.advance()?.map(|_| ()))
+    }
+
+    /// The next batch's range in the current shard's order, with the position moved past it.
+    fn advance(&mut self) -> anyhow::Result<Option<(usize, usize)>> {
         let p = self.position;
         if p.shard >= self.shards.len() {
             self.position = DataPosition {
@@ -168,7 +186,6 @@ impl<'a> BatchStream<'a> {
             anyhow::bail!("data position {p:?} is not at a batch boundary (other --batch-tokens than the run being resumed?)");
         };
         let (start, end) = loaded.batches[batch_index];
-        let batch = self.assemble(&loaded.data, &loaded.order[start..end]);
         self.position = if end == loaded.order.len() {
             DataPosition {
                 epoch: p.epoch,
@@ -179,7 +196,7 @@ impl<'a> BatchStream<'a> {
             DataPosition { sequence: end, ..p }
         };
         self.current = Some(loaded);
-        Ok(Some(batch))
+        Ok(Some((start, end)))
     }
 
     fn load(&self, epoch: u64, slot: usize) -> anyhow::Result<LoadedShard> {

@@ -17,6 +17,7 @@ use headway_model::{Target, TargetArgs};
 use tch::{Kind, Tensor};
 
 use crate::data::{tap_columns, BatchStream};
+use crate::distributed::DistributedArgs;
 use crate::objective::{Eagle3Objective, EagleObjective, MedusaObjective, Objective};
 use crate::optim::AdamWConfig;
 use crate::trainer::{evaluate, summary_line, Precision, TrainSettings, Trainer};
@@ -81,6 +82,19 @@ pub struct TrainArgs {
     /// JSON file (scripts/bench_train_torch.py compares them with PyTorch).
     #[arg(long)]
     json: Option<PathBuf>,
+    /// Data-parallel training over several processes (torchrun's environment).
+    #[command(flatten)]
+    distributed: DistributedArgs,
+}
+
+impl TrainArgs {
+    /// The target options, with `--device cuda` resolved to this rank's GPU.
+    fn target_args(&self) -> TargetArgs {
+        TargetArgs {
+            device: self.distributed.device(&self.target.device),
+            ..self.target.clone()
+        }
+    }
 }
 
 #[derive(clap::Args)]
@@ -211,6 +225,14 @@ fn setup(args: &TargetArgs, features: &Path) -> anyhow::Result<Setup> {
     let target = headway_gguf::load_target(args)
         .with_context(|| format!("loading target {}", args.path().display()))?;
     let features = FeatureSet::open(features)?;
+    if let Some(slice) = features.manifest.slice {
+        anyhow::bail!(
+            "{} holds only slice {slice} of a sharded prepare; join the {} slices with \
+             `headway-train merge-features` and train on the result",
+            features.dir.display(),
+            slice.count
+        );
+    }
     let fingerprint = target_fingerprint(&target.path)?;
     features.check_target(&fingerprint, &target.path)?;
     Ok(Setup {
@@ -331,6 +353,7 @@ fn train(
     hooks: &Hooks,
 ) -> anyhow::Result<()> {
     let device = setup.target.device;
+    let group = args.distributed.join()?;
     let trainer = Trainer {
         features: &setup.features,
         settings: settings(args, &setup.features, device)?,
@@ -338,9 +361,14 @@ fn train(
         device,
         checkpoint_config: Box::new(|step| checkpoint_config(setup, head.clone(), draft, step)),
         checkpoint_saved: &*hooks.checkpoint_saved,
+        group: group.as_ref(),
+    };
+    let ranks = match &group {
+        Some(g) => format!(" as rank {} of {}", g.rank, g.world),
+        None => String::new(),
     };
     eprintln!(
-        "training {} ({:.2} M parameters) for {} steps on {}",
+        "training {} ({:.2} M parameters) for {} steps on {}{ranks}",
         head.name(),
         objective.params().numel() as f64 / 1e6,
         trainer.settings.total_steps,
@@ -363,6 +391,10 @@ fn train(
             .as_ref()
             .map_or("(none)".into(), |p| p.display().to_string())
     );
+    if group.as_ref().is_some_and(|g| g.rank != 0) {
+        // Rank 0 evaluates and writes the figures.
+        return Ok(());
+    }
     println!("held-out: {}", summary_line(eval));
     if let Some(path) = &args.json {
         let figures = serde_json::json!({
@@ -390,7 +422,7 @@ fn write_figures(path: &Path, figures: &serde_json::Value) -> anyhow::Result<()>
 }
 
 pub fn run_medusa(args: MedusaArgs, hooks: &Hooks) -> anyhow::Result<()> {
-    let setup = setup(&args.common.target, &args.common.features)?;
+    let setup = setup(&args.common.target_args(), &args.common.features)?;
     let draft = draft_vocab(&setup, args.common.draft_vocab)?;
     let lm_head = lm_head_rows(&setup.target, draft.as_ref());
     let config = MedusaConfig {
@@ -418,7 +450,7 @@ pub fn run_medusa(args: MedusaArgs, hooks: &Hooks) -> anyhow::Result<()> {
 }
 
 pub fn run_eagle(args: EagleArgs, hooks: &Hooks) -> anyhow::Result<()> {
-    let setup = setup(&args.common.target, &args.common.features)?;
+    let setup = setup(&args.common.target_args(), &args.common.features)?;
     // Before the draft-vocabulary count, which reads every shard.
     tap_columns(&setup.features, &args.taps)?;
     let draft = draft_vocab(&setup, args.common.draft_vocab)?;
@@ -461,7 +493,7 @@ pub fn run_eagle(args: EagleArgs, hooks: &Hooks) -> anyhow::Result<()> {
 }
 
 pub fn run_eagle3(args: Eagle3Args, hooks: &Hooks) -> anyhow::Result<()> {
-    let setup = setup(&args.common.target, &args.common.features)?;
+    let setup = setup(&args.common.target_args(), &args.common.features)?;
     let target = &setup.target;
     let taps = match args.taps.is_empty() {
         true => Eagle3Config::default_taps(target.model.config().num_hidden_layers),

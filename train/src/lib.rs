@@ -4,6 +4,7 @@
 
 mod autocast;
 mod data;
+mod distributed;
 mod heads_cmd;
 mod interop;
 mod objective;
@@ -61,6 +62,9 @@ enum Command {
     /// (self-distillation), and store the target's hidden states in checksummed safetensors shards
     /// with a manifest. Resumable: rerun the same command after an interruption.
     Prepare(prepare::PrepareArgs),
+    /// Join the directories of a sharded `prepare --shard I/N` (slices 0 … N−1) into one feature
+    /// directory equal to a single run's: same shards, same manifest but for its command line.
+    MergeFeatures(prepare::MergeFeaturesArgs),
     /// Check a feature directory: its manifest, and every shard's size, checksum and contents.
     /// Exits non-zero naming each bad shard.
     Verify(prepare::VerifyArgs),
@@ -99,6 +103,7 @@ pub fn run(cli: Cli, hooks: &Hooks) -> anyhow::Result<()> {
     match cli.command {
         Command::Convert(args) => run_convert(args),
         Command::Prepare(args) => prepare::run_prepare(args, hooks),
+        Command::MergeFeatures(args) => prepare::run_merge_features(args),
         Command::Verify(args) => prepare::run_verify(args),
         Command::Medusa(args) => heads_cmd::run_medusa(args, hooks),
         Command::Eagle(args) => heads_cmd::run_eagle(args, hooks),

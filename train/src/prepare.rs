@@ -5,8 +5,8 @@ use std::path::PathBuf;
 
 use anyhow::Context;
 use headway_datasets::features::{
-    prepare, ExtractionPlan, ExtractionSettings, FeatureSet, PrepareObserver, PrepareOptions,
-    RegenerateSettings, ShardEntry,
+    merge, prepare, ExtractionPlan, ExtractionSettings, FeatureSet, PrepareObserver,
+    PrepareOptions, RegenerateSettings, ShardEntry, ShardSlice,
 };
 use headway_datasets::CorpusFormat;
 use headway_model::fingerprint::target_fingerprint;
@@ -61,6 +61,12 @@ pub struct PrepareArgs {
     /// file (scripts/bench_prepare_torch.py compares them with PyTorch).
     #[arg(long)]
     json: Option<PathBuf>,
+    /// Extract only slice I of N (`I/N`, from 0) of the run's shards, so that N processes (on N
+    /// GPUs or machines) share the work: each plans the whole corpus (same selection, dedup and
+    /// split) and writes the shards at plan positions I, I+N, …; `merge-features` then joins the
+    /// N directories into the single run's.
+    #[arg(long, value_name = "I/N")]
+    shard: Option<ShardSlice>,
 }
 
 /// How regenerated replies are sampled: `prepare`'s spelling of the sampling options.
@@ -156,6 +162,7 @@ pub fn run_prepare(args: PrepareArgs, hooks: &Hooks) -> anyhow::Result<()> {
         format,
         out: args.out.clone(),
         settings: args.resolved_settings(target.device)?,
+        slice: args.shard,
         command: std::env::args().collect(),
     };
     let mut progress = Progress::new(hooks);
@@ -163,6 +170,14 @@ pub fn run_prepare(args: PrepareArgs, hooks: &Hooks) -> anyhow::Result<()> {
     progress.finish();
     let m = &summary.manifest;
     let c = &m.counts;
+    if let Some(slice) = m.slice {
+        println!(
+            "slice {slice}: {} of the run's shards (join the {} slices with `headway-train \
+             merge-features`)",
+            m.shards.len(),
+            slice.count
+        );
+    }
     println!(
         "prepared {}: {} sequences ({} train, {} held out; {} truncated to {}), {} tokens, {} \
          assistant tokens; {} shards ({} written, {} kept from an earlier run), {:.1} MB",
@@ -325,6 +340,37 @@ impl PrepareObserver for Progress<'_> {
         }
         (self.hooks.shard_written)(self.shards_written);
     }
+}
+
+#[derive(clap::Args)]
+pub struct MergeFeaturesArgs {
+    /// The directories of slices 0 … N−1 of one `prepare --shard I/N` run (any order).
+    #[arg(required = true)]
+    slices: Vec<PathBuf>,
+    /// Directory of the joined features (shards hard-linked where the file system allows).
+    #[arg(long)]
+    out: PathBuf,
+}
+
+/// Joins the slices of a sharded `prepare` into the single run's feature directory.
+pub fn run_merge_features(args: MergeFeaturesArgs) -> anyhow::Result<()> {
+    let summary = merge(&args.slices, &args.out, std::env::args().collect())?;
+    let m = &summary.manifest;
+    println!(
+        "merged {} slices into {}: {} shards ({} hard-linked, {} copied, {} already there), {} \
+         sequences ({} train, {} held out), {:.1} MB",
+        args.slices.len(),
+        args.out.display(),
+        m.shards.len(),
+        summary.linked,
+        summary.copied,
+        summary.kept,
+        m.counts.sequences,
+        m.counts.train_sequences,
+        m.counts.held_out_sequences,
+        m.shard_bytes() as f64 / 1e6
+    );
+    Ok(())
 }
 
 #[derive(clap::Args)]

@@ -1,6 +1,13 @@
 //! The training loop shared by both heads: streaming batches, gradient accumulation, clipping,
 //! AdamW with warm-up + cosine, logs, held-out evaluation each epoch, and checkpoints that a
 //! `--resume` continues bit for bit.
+//!
+//! Data parallel: with a [`ProcessGroup`] of W ranks, the `grad_accum` micro-batches of each
+//! optimizer update (the global batch) are dealt out, micro-batch m to rank m mod W; every rank
+//! walks the same batch stream, loads only its own micro-batches, and the gradients are summed
+//! over the ranks before clipping. The update is then the one a single process computes (up to
+//! the order of the floating-point sums), so settings, checkpoints and data positions do not
+//! depend on W. Rank 0 alone writes checkpoints and logs and evaluates the held-out split.
 
 use std::path::PathBuf;
 use std::time::Instant;
@@ -16,6 +23,7 @@ use tensorboard_rs::summary_writer::SummaryWriter;
 
 use crate::autocast::with_autocast;
 use crate::data::{BatchStream, DataPosition};
+use crate::distributed::ProcessGroup;
 use crate::objective::{Metrics, Objective};
 use crate::optim::{clip_grad_norm, learning_rate, AdamW, AdamWConfig};
 
@@ -54,6 +62,13 @@ struct TrainerState {
     step: u64,
     position: DataPosition,
     settings: TrainSettings,
+    /// Ranks that trained it (checkpoints before data parallelism: one).
+    #[serde(default = "one_rank")]
+    world_size: usize,
+}
+
+fn one_rank() -> usize {
+    1
 }
 
 /// One training run.
@@ -67,6 +82,8 @@ pub struct Trainer<'a> {
     /// Called with the step after each checkpoint is saved (where a kill must leave a run
     /// that `--resume` continues).
     pub checkpoint_saved: &'a dyn Fn(u64),
+    /// The data-parallel process group, when several ranks train together.
+    pub group: Option<&'a ProcessGroup>,
 }
 
 /// How a run ended.
@@ -88,15 +105,29 @@ impl Trainer<'_> {
     /// checkpoint in `out` (weights, optimizer, step, data position).
     pub fn run(&self, objective: &mut dyn Objective, resume: bool) -> anyhow::Result<TrainSummary> {
         let s = &self.settings;
-        let unfinished = headway_checkpoints::remove_unfinished_saves(&self.out)?;
-        if unfinished > 0 {
-            eprintln!("removed {unfinished} unfinished checkpoint(s) of an interrupted run");
+        let (rank, world) = (self.rank(), self.world());
+        anyhow::ensure!(
+            s.grad_accum.is_multiple_of(world),
+            "--grad-accum {} does not split over {world} ranks: each optimizer update's \
+             micro-batches are dealt out to the ranks, so give a multiple of {world}",
+            s.grad_accum
+        );
+        if rank == 0 {
+            let unfinished = headway_checkpoints::remove_unfinished_saves(&self.out)?;
+            if unfinished > 0 {
+                eprintln!("removed {unfinished} unfinished checkpoint(s) of an interrupted run");
+            }
         }
         let mut optimizer = AdamW::new(s.adamw, objective.params());
         let mut step = 0;
         let mut position = DataPosition::default();
         if resume {
             (step, position) = self.restore(objective, &mut optimizer)?;
+        }
+        if let Some(group) = self.group {
+            group
+                .broadcast_params(objective.params())
+                .context("giving every rank rank 0's weights")?;
         }
         let mut stream = BatchStream::new(
             self.features,
@@ -108,74 +139,89 @@ impl Trainer<'_> {
             position,
         )?
         .with_taps(objective.taps())?;
-        let mut writer = SummaryWriter::new(self.out.join("logs"));
-        let bar = progress_bar(s.total_steps, step);
+        let mut log = Log::new(rank == 0, &self.out, s.total_steps, step);
         let start = Instant::now();
         let (mut tokens, mut last_eval, mut checkpoint) = (0usize, None::<(u64, Metrics)>, None);
         let (mut checkpoint_seconds, mut eval_seconds) = (0.0, 0.0);
         while step < s.total_steps {
             let mut metrics = Metrics::default();
+            let mut step_tokens = 0;
             let mut micro = 0;
             while micro < s.grad_accum {
-                let Some(batch) = stream.next_batch()? else {
-                    let eval =
-                        self.logged_evaluation(objective, &mut writer, step, &mut eval_seconds)?;
-                    let line = format!(
-                        "epoch {} done at step {step}: held-out {}",
-                        stream.position.epoch,
-                        summary_line(&eval)
-                    );
-                    // A hidden bar (no terminal) drops println: write the line directly.
-                    if bar.is_hidden() {
-                        eprintln!("{line}");
-                    } else {
-                        bar.println(line);
+                let mine = micro % world == rank;
+                let batch = match mine {
+                    true => stream.next_batch()?.map(Some),
+                    false => stream.skip_batch()?.map(|_| None),
+                };
+                let Some(batch) = batch else {
+                    if rank == 0 {
+                        let eval =
+                            self.logged_evaluation(objective, &mut log, step, &mut eval_seconds)?;
+                        log.line(&format!(
+                            "epoch {} done at step {step}: held-out {}",
+                            stream.position.epoch,
+                            summary_line(&eval)
+                        ));
+                        last_eval = Some((step, eval));
                     }
-                    last_eval = Some((step, eval));
                     continue;
                 };
-                // Noise and any other randomness depend only on (seed, step, micro-batch).
-                tch::manual_seed(
-                    mix64(s.seed ^ mix64(step * s.grad_accum as u64 + micro as u64)) as i64,
-                );
-                let scale = Some(1.0 / s.grad_accum as f64);
-                metrics.merge(&self.in_precision(|| objective.run(&batch, scale))??);
-                tokens += batch.tokens;
+                if let Some(batch) = batch {
+                    // Noise and any other randomness depend only on (seed, step, micro-batch).
+                    tch::manual_seed(mix64(
+                        s.seed ^ mix64(step * s.grad_accum as u64 + micro as u64),
+                    ) as i64);
+                    let scale = Some(1.0 / s.grad_accum as f64);
+                    metrics.merge(&self.in_precision(|| objective.run(&batch, scale))??);
+                    step_tokens += batch.tokens;
+                }
                 micro += 1;
             }
+            if let Some(group) = self.group {
+                let failed = || {
+                    format!(
+                        "rank {rank} of {world}, step {}: summing over the ranks failed (did \
+                         another rank stop? its own output says why)",
+                        step + 1
+                    )
+                };
+                group
+                    .all_reduce_gradients(objective.params())
+                    .with_context(failed)?;
+                group
+                    .all_reduce_metrics(&mut metrics, &mut step_tokens)
+                    .with_context(failed)?;
+            }
+            tokens += step_tokens;
             let grad_norm = clip_grad_norm(objective.params(), s.clip);
             let lr = learning_rate(step, s.total_steps, s.warmup_steps, s.lr, s.min_lr_ratio);
             optimizer.update(objective.params(), lr);
             step += 1;
-            log_metrics(&mut writer, "train", &metrics, step);
-            writer.add_scalar("train/lr", lr as f32, step as usize);
-            writer.add_scalar("train/grad_norm", grad_norm as f32, step as usize);
             let training_seconds =
                 start.elapsed().as_secs_f64() - checkpoint_seconds - eval_seconds;
             let rate = tokens as f64 / training_seconds.max(1e-9);
-            writer.add_scalar("train/tokens_per_s", rate as f32, step as usize);
-            bar.set_position(step);
-            let line = format!("{} | lr {lr:.2e} | {rate:.0} tok/s", summary_line(&metrics));
-            // Without a terminal the bar is hidden: log a line every tenth of the run instead.
-            if bar.is_hidden() && (step % s.total_steps.div_ceil(10) == 0 || step == s.total_steps)
-            {
-                eprintln!("step {step}/{}: {line}", s.total_steps);
-            }
-            bar.set_message(line);
-            if step % s.save_every == 0 || step == s.total_steps {
+            log.metrics("train", &metrics, step);
+            log.scalar("train/lr", lr, step);
+            log.scalar("train/grad_norm", grad_norm, step);
+            log.scalar("train/tokens_per_s", rate, step);
+            log.progress(
+                step,
+                &format!("{} | lr {lr:.2e} | {rate:.0} tok/s", summary_line(&metrics)),
+            );
+            if rank == 0 && (step % s.save_every == 0 || step == s.total_steps) {
                 let save_start = Instant::now();
                 checkpoint = Some(self.save(objective, &optimizer, step, stream.position)?);
                 checkpoint_seconds += save_start.elapsed().as_secs_f64();
                 (self.checkpoint_saved)(step);
             }
         }
-        bar.finish();
         // A run of whole epochs stops before it asks for the batch that would end the last one.
         let eval = match last_eval {
             Some((at, eval)) if at == step => eval,
-            _ => self.logged_evaluation(objective, &mut writer, step, &mut eval_seconds)?,
+            _ if rank != 0 => Metrics::default(),
+            _ => self.logged_evaluation(objective, &mut log, step, &mut eval_seconds)?,
         };
-        writer.flush();
+        log.finish();
         Ok(TrainSummary {
             steps: step,
             tokens,
@@ -185,6 +231,15 @@ impl Trainer<'_> {
             eval,
             checkpoint,
         })
+    }
+
+    /// This process's rank, and how many train together.
+    fn rank(&self) -> usize {
+        self.group.map_or(0, |g| g.rank)
+    }
+
+    fn world(&self) -> usize {
+        self.group.map_or(1, |g| g.world)
     }
 
     /// Figures of `objective` over the whole held-out split.
@@ -209,14 +264,14 @@ impl Trainer<'_> {
     fn logged_evaluation(
         &self,
         objective: &mut dyn Objective,
-        writer: &mut SummaryWriter,
+        log: &mut Log,
         step: u64,
         seconds: &mut f64,
     ) -> anyhow::Result<Metrics> {
         let start = Instant::now();
         let eval = self.evaluate(objective)?;
         *seconds += start.elapsed().as_secs_f64();
-        log_metrics(writer, "eval", &eval, step);
+        log.metrics("eval", &eval, step);
         Ok(eval)
     }
 
@@ -236,6 +291,7 @@ impl Trainer<'_> {
             step,
             position,
             settings: self.settings.clone(),
+            world_size: self.world(),
         };
         let training = TrainingState {
             optimizer: optimizer.state_tensors(),
@@ -268,6 +324,15 @@ impl Trainer<'_> {
             checkpoint.dir.display(),
             state.settings
         );
+        anyhow::ensure!(
+            state.world_size == self.world(),
+            "--resume: {} was trained by {} rank(s), this run has {} (WORLD_SIZE / \
+             --world-size); resume with {} rank(s)",
+            checkpoint.dir.display(),
+            state.world_size,
+            self.world(),
+            state.world_size
+        );
         objective.params_mut().load(&checkpoint.weights)?;
         optimizer.load_state(&moments, state.step)?;
         Ok((state.step, state.position))
@@ -298,12 +363,6 @@ pub fn evaluate(
     Ok(metrics)
 }
 
-fn log_metrics(writer: &mut SummaryWriter, prefix: &str, metrics: &Metrics, step: u64) {
-    for (name, value) in metrics.means() {
-        writer.add_scalar(&format!("{prefix}/{name}"), value as f32, step as usize);
-    }
-}
-
 /// `loss 1.234 top1 0.56 …` from the figures that matter most.
 pub fn summary_line(metrics: &Metrics) -> String {
     metrics
@@ -320,13 +379,71 @@ pub fn summary_line(metrics: &Metrics) -> String {
         .join(" ")
 }
 
-fn progress_bar(total: u64, position: u64) -> ProgressBar {
-    let bar = ProgressBar::new(total).with_position(position);
-    bar.set_style(
-        ProgressStyle::with_template("training [{bar:30}] {pos}/{len} steps (ETA {eta}) {msg}")
-            .expect("valid progress template")
-            .progress_chars("=> "),
-    );
-    bar.reset_eta();
-    bar
+/// What a run shows and records: tensorboard scalars and a progress bar (a line every tenth of
+/// the run without a terminal), on rank 0 only.
+struct Log {
+    writer: Option<SummaryWriter>,
+    bar: ProgressBar,
+    total_steps: u64,
+}
+
+impl Log {
+    fn new(leader: bool, out: &std::path::Path, total_steps: u64, step: u64) -> Self {
+        if !leader {
+            return Self {
+                writer: None,
+                bar: ProgressBar::hidden(),
+                total_steps,
+            };
+        }
+        let bar = ProgressBar::new(total_steps).with_position(step);
+        bar.set_style(
+            ProgressStyle::with_template("training [{bar:30}] {pos}/{len} steps (ETA {eta}) {msg}")
+                .expect("valid progress template")
+                .progress_chars("=> "),
+        );
+        bar.reset_eta();
+        Self {
+            writer: Some(SummaryWriter::new(out.join("logs"))),
+            bar,
+            total_steps,
+        }
+    }
+
+    fn scalar(&mut self, name: &str, value: f64, step: u64) {
+        if let Some(writer) = &mut self.writer {
+            writer.add_scalar(name, value as f32, step as usize);
+        }
+    }
+
+    fn metrics(&mut self, prefix: &str, metrics: &Metrics, step: u64) {
+        for (name, value) in metrics.means() {
+            self.scalar(&format!("{prefix}/{name}"), value, step);
+        }
+    }
+
+    /// A line above the bar.
+    fn line(&self, text: &str) {
+        match self.writer.is_some() && self.bar.is_hidden() {
+            // A hidden bar (no terminal) drops println: write the line directly.
+            true => eprintln!("{text}"),
+            false => self.bar.println(text),
+        }
+    }
+
+    fn progress(&self, step: u64, text: &str) {
+        self.bar.set_position(step);
+        let tenth = step.is_multiple_of(self.total_steps.div_ceil(10)) || step == self.total_steps;
+        if self.writer.is_some() && self.bar.is_hidden() && tenth {
+            eprintln!("step {step}/{}: {text}", self.total_steps);
+        }
+        self.bar.set_message(text.to_string());
+    }
+
+    fn finish(&mut self) {
+        self.bar.finish();
+        if let Some(writer) = &mut self.writer {
+            writer.flush();
+        }
+    }
 }

@@ -120,24 +120,27 @@ pub struct Settings {
 }
 
 impl Settings {
-    /// The fields where `self` (the directory's) and `other` (this run's) differ, as
-    /// `path: old in the directory, new now` (ignoring `target.dir`).
-    pub fn differences(&self, other: &Settings) -> Vec<String> {
+    /// The fields where `self` and `other` differ, as `path: A <labels.0>, B <labels.1>`
+    /// (ignoring `target.dir`).
+    pub fn differences(&self, other: &Settings, labels: (&str, &str)) -> Vec<String> {
         let mut a = serde_json::to_value(self).expect("settings serialise");
         let mut b = serde_json::to_value(other).expect("settings serialise");
         a["target"]["dir"] = serde_json::Value::Null;
         b["target"]["dir"] = serde_json::Value::Null;
         let mut out = Vec::new();
         json_differences(&a, &b, "", &mut out);
-        out
+        out.into_iter()
+            .map(|(path, a, b)| format!("{path}: {a} {}, {b} {}", labels.0, labels.1))
+            .collect()
     }
 }
 
+/// `(path, a's value, b's value)` for each leaf where `a` and `b` differ.
 fn json_differences(
     a: &serde_json::Value,
     b: &serde_json::Value,
     path: &str,
-    out: &mut Vec<String>,
+    out: &mut Vec<(String, serde_json::Value, serde_json::Value)>,
 ) {
     match (a, b) {
         (serde_json::Value::Object(x), serde_json::Value::Object(y)) => {
@@ -155,7 +158,7 @@ fn json_differences(
                 );
             }
         }
-        _ if a != b => out.push(format!("{path}: {a} in the directory, {b} now")),
+        _ if a != b => out.push((path.to_string(), a.clone(), b.clone())),
         _ => {}
     }
 }
@@ -228,6 +231,50 @@ pub struct Manifest {
     pub shards: Vec<ShardEntry>,
     /// The command line that made the directory.
     pub command: Vec<String>,
+    /// Set when `prepare --shard I/N` made the directory: it holds only that slice's shards
+    /// (`planned_shards` counts those; `counts` are the whole run's), and training refuses it
+    /// until `merge-features` joins the N slices.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub slice: Option<ShardSlice>,
+}
+
+/// Slice `index` of `count` of a sharded `prepare` (`--shard I/N`): the planned shards whose
+/// position in the whole run's plan is I modulo N. Every slice plans the whole run (corpus order,
+/// dedup, split and shard boundaries), so the slices' shards are the single run's shards.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ShardSlice {
+    pub index: usize,
+    pub count: usize,
+}
+
+impl ShardSlice {
+    /// Whether the shard at `position` of the whole run's plan belongs to this slice.
+    pub fn holds(self, position: usize) -> bool {
+        position % self.count == self.index
+    }
+}
+
+impl std::fmt::Display for ShardSlice {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{}/{}", self.index, self.count)
+    }
+}
+
+impl std::str::FromStr for ShardSlice {
+    type Err = String;
+
+    /// `I/N` with 0 ≤ I < N.
+    fn from_str(text: &str) -> std::result::Result<Self, String> {
+        let parsed = text
+            .split_once('/')
+            .and_then(|(i, n)| Some((i.trim().parse().ok()?, n.trim().parse().ok()?)));
+        match parsed {
+            Some((index, count)) if index < count => Ok(Self { index, count }),
+            _ => Err(format!(
+                "expected I/N with 0 ≤ I < N (slice I of N, counted from 0), got {text:?}"
+            )),
+        }
+    }
 }
 
 impl Manifest {

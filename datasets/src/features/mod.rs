@@ -8,12 +8,16 @@
 pub mod extract;
 pub mod feature_set;
 pub mod manifest;
+pub mod merge;
 pub mod prepare;
 pub mod shard;
 
 pub use extract::{length_buckets, FeatureExtractor};
 pub use feature_set::{FeatureSet, ShardProblem};
-pub use manifest::{ExtractionSettings, Manifest, RegenerateSettings, ShardEntry, ShardSplit};
+pub use manifest::{
+    ExtractionSettings, Manifest, RegenerateSettings, ShardEntry, ShardSlice, ShardSplit,
+};
+pub use merge::{merge, MergeSummary};
 pub use prepare::{
     prepare, ExtractionPlan, PrepareObserver, PrepareOptions, PrepareSummary, Quiet,
 };

@@ -6,6 +6,10 @@
 //! file and renamed, then the manifest is rewritten listing it with its checksum. Rerunning the
 //! same command after a kill keeps every listed shard whose checksum still holds and redoes the
 //! rest, so the finished directory is byte-identical to an uninterrupted run's.
+//!
+//! With a [`ShardSlice`] (`--shard I/N`) a run plans the whole corpus as above but extracts only
+//! its slice of the planned shards; [`crate::features::merge`] joins N such directories into the
+//! single run's.
 
 use std::path::{Path, PathBuf};
 use std::time::Instant;
@@ -22,8 +26,8 @@ use crate::error::{DatasetError, Result};
 use crate::features::extract::{length_buckets, ExtractedFeatures, FeatureExtractor};
 use crate::features::feature_set::shard_file_matches;
 use crate::features::manifest::{
-    CorpusInfo, Counts, ExtractionSettings, Manifest, Settings, ShardEntry, ShardSplit, TargetInfo,
-    FEATURES_FORMAT,
+    CorpusInfo, Counts, ExtractionSettings, Manifest, Settings, ShardEntry, ShardSlice, ShardSplit,
+    TargetInfo, FEATURES_FORMAT,
 };
 use crate::features::shard::ShardData;
 use crate::regenerate::{dedupe_for_regeneration, regenerate};
@@ -39,6 +43,8 @@ pub struct PrepareOptions {
     pub format: CorpusFormat,
     pub out: PathBuf,
     pub settings: ExtractionSettings,
+    /// Extract only this slice of the planned shards (`--shard I/N`); `None`: all of them.
+    pub slice: Option<ShardSlice>,
     /// Recorded in the manifest.
     pub command: Vec<String>,
 }
@@ -117,6 +123,7 @@ pub fn prepare(
     let previous = Manifest::read(out)?;
     if let Some(previous) = &previous {
         check_same_settings(out, &previous.settings, &settings)?;
+        check_same_slice(out, previous.slice, options.slice)?;
     }
     let (conversations, mut counts) = read_conversations(options, observer)?;
     let conversations = match &settings.extraction.regenerate {
@@ -138,7 +145,12 @@ pub fn prepare(
         None => conversations,
     };
     let sequences = format_all(target, &conversations, options, &mut counts, observer)?;
-    let plan = plan_shards(&sequences, options.settings.shard_tokens);
+    let plan: Vec<PlannedShard> = plan_shards(&sequences, options.settings.shard_tokens)
+        .into_iter()
+        .enumerate()
+        .filter(|&(position, _)| options.slice.is_none_or(|slice| slice.holds(position)))
+        .map(|(_, shard)| shard)
+        .collect();
     let mut manifest = Manifest {
         planned_shards: plan.len(),
         ..empty_manifest(&settings, &counts, options)
@@ -193,6 +205,15 @@ fn check_options(target: &Target, options: &PrepareOptions) -> Result<()> {
     {
         return invalid("--regen-batch and --regen-turns must be at least 1".into());
     }
+    if o.regenerate.is_some() && options.slice.is_some() {
+        // Regenerated replies decide every sequence's length and so where shards close: each
+        // slice would have to regenerate the whole corpus to plan its part.
+        return invalid(
+            "--shard with --regenerate: regeneration decides the whole run's shard plan; \
+             regenerate in one run, or split the corpus into files and prepare each"
+                .into(),
+        );
+    }
     if !(0.0..=1.0).contains(&o.held_out_fraction) {
         return invalid(format!(
             "held-out fraction {} is not in [0, 1]",
@@ -245,7 +266,7 @@ fn settings(target: &Target, options: &PrepareOptions) -> Result<Settings> {
 }
 
 fn check_same_settings(out: &Path, previous: &Settings, settings: &Settings) -> Result<()> {
-    let differences = previous.differences(settings);
+    let differences = previous.differences(settings, ("in the directory", "now"));
     if differences.is_empty() {
         return Ok(());
     }
@@ -259,6 +280,26 @@ fn check_same_settings(out: &Path, previous: &Settings, settings: &Settings) -> 
     ))
 }
 
+fn check_same_slice(
+    out: &Path,
+    previous: Option<ShardSlice>,
+    slice: Option<ShardSlice>,
+) -> Result<()> {
+    if previous == slice {
+        return Ok(());
+    }
+    let name =
+        |s: Option<ShardSlice>| s.map_or("all shards".to_string(), |s| format!("--shard {s}"));
+    Err(DatasetError::features(
+        out,
+        format!(
+            "the directory holds {} and this run asks for {}; use another --out",
+            name(previous),
+            name(slice)
+        ),
+    ))
+}
+
 fn empty_manifest(settings: &Settings, counts: &Counts, options: &PrepareOptions) -> Manifest {
     Manifest {
         format: FEATURES_FORMAT.to_string(),
@@ -268,6 +309,7 @@ fn empty_manifest(settings: &Settings, counts: &Counts, options: &PrepareOptions
         planned_shards: 0,
         shards: Vec::new(),
         command: options.command.clone(),
+        slice: options.slice,
     }
 }
 
@@ -420,17 +462,18 @@ fn extraction_plan(
             .sum()
     };
     let tokens = tokens_of(plan);
+    let planned_sequences: usize = plan.iter().map(|s| s.members.len()).sum();
     // Per token: ids (4) + mask (1) + hidden and taps; per sequence: one offset (8).
     let e = &settings.extraction;
     let per_token = 5 + settings.target.hidden_size * (1 + e.taps.len()) * e.dtype.bytes();
     ExtractionPlan {
-        sequences: sequences.len(),
+        sequences: planned_sequences,
         tokens,
         shards: plan.len(),
         done_shards,
         done_sequences: plan[..done_shards].iter().map(|s| s.members.len()).sum(),
         done_tokens: tokens_of(&plan[..done_shards]),
-        estimated_bytes: (tokens * per_token + sequences.len() * 8) as u64,
+        estimated_bytes: (tokens * per_token + planned_sequences * 8) as u64,
     }
 }
 
