@@ -175,6 +175,23 @@ pub fn train_args<'a>(
     args
 }
 
+/// `headway-train eval` of the checkpoint in `heads` on the features [`features`] wrote under
+/// `root`.
+pub fn eval_heads(heads: &Path, root: &Path) -> Output {
+    run(
+        "headway-train",
+        &[
+            "eval",
+            "--heads",
+            heads.to_str().unwrap(),
+            "--features",
+            root.join("features").to_str().unwrap(),
+            "--target",
+            root.join("target").to_str().unwrap(),
+        ],
+    )
+}
+
 pub fn as_strs(args: &[String]) -> Vec<&str> {
     args.iter().map(String::as_str).collect()
 }

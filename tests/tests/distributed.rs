@@ -9,7 +9,7 @@ use std::process::{Child, Command, Output, Stdio};
 use std::time::{Duration, Instant};
 
 use headway_model::safetensors_io::from_safetensors_bytes;
-use headway_tests::{binary, features, stderr};
+use headway_tests::{as_strs, binary, eval_heads, features, stderr};
 
 /// `headway-train HEAD` on the fixture's features: `steps` steps of two 64-token micro-batches
 /// (the global batch), one thread, checkpoints every `save_every`.
@@ -126,10 +126,6 @@ fn two_ranks_over_gloo_train_the_weights_of_one_process() {
     }
 }
 
-fn as_strs(args: &[String]) -> Vec<&str> {
-    args.iter().map(String::as_str).collect()
-}
-
 /// Waits for `child` to exit, at most `limit`.
 fn wait_at_most(child: &mut Child, limit: Duration) -> Option<std::process::ExitStatus> {
     let start = Instant::now();
@@ -188,18 +184,7 @@ fn a_killed_rank_stops_the_others_with_a_clear_error_and_the_checkpoint_survives
             1 - killed
         );
         // The last checkpoint `latest` names loads whole (checksums checked).
-        let eval = headway_tests::run(
-            "headway-train",
-            &[
-                "eval",
-                "--heads",
-                out.to_str().unwrap(),
-                "--features",
-                root.join("features").to_str().unwrap(),
-                "--target",
-                root.join("target").to_str().unwrap(),
-            ],
-        );
+        let eval = eval_heads(&out, root);
         assert!(eval.status.success(), "{}", stderr(&eval));
     }
 }

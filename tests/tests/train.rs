@@ -6,8 +6,8 @@ use std::process::Output;
 
 use headway_model::testing::write_tiny_model;
 use headway_tests::{
-    as_strs, export_head, features, headway_train_killed, import_head, run, run_aborting_child,
-    stderr, stdout, train_args, AbortAfter,
+    as_strs, eval_heads, export_head, features, headway_train_killed, import_head, run,
+    run_aborting_child, stderr, stdout, train_args, AbortAfter,
 };
 
 /// `headway-train args`; with `abort_after_step`, killed after that step's checkpoint.
@@ -23,22 +23,6 @@ fn headway_train(args: &[&str], abort_after_step: Option<u64>) -> Output {
 #[ignore = "run by the kill tests as their child process"]
 fn killed_training_child() {
     run_aborting_child();
-}
-
-/// `headway-train eval` of the checkpoint in `heads` on the features under `root`.
-fn eval_heads(heads: &Path, root: &Path) -> Output {
-    run(
-        "headway-train",
-        &[
-            "eval",
-            "--heads",
-            heads.to_str().unwrap(),
-            "--features",
-            root.join("features").to_str().unwrap(),
-            "--target",
-            root.join("target").to_str().unwrap(),
-        ],
-    )
 }
 
 #[test]

@@ -177,21 +177,7 @@ impl Trainer<'_> {
                 }
                 micro += 1;
             }
-            if let Some(group) = self.group {
-                let failed = || {
-                    format!(
-                        "rank {rank} of {world}, step {}: summing over the ranks failed (did \
-                         another rank stop? its own output says why)",
-                        step + 1
-                    )
-                };
-                group
-                    .all_reduce_gradients(objective.params())
-                    .with_context(failed)?;
-                group
-                    .all_reduce_metrics(&mut metrics, &mut step_tokens)
-                    .with_context(failed)?;
-            }
+            self.sum_over_ranks(objective, &mut metrics, &mut step_tokens, step)?;
             tokens += step_tokens;
             let grad_norm = clip_grad_norm(objective.params(), s.clip);
             let lr = learning_rate(step, s.total_steps, s.warmup_steps, s.lr, s.min_lr_ratio);
@@ -200,14 +186,7 @@ impl Trainer<'_> {
             let training_seconds =
                 start.elapsed().as_secs_f64() - checkpoint_seconds - eval_seconds;
             let rate = tokens as f64 / training_seconds.max(1e-9);
-            log.metrics("train", &metrics, step);
-            log.scalar("train/lr", lr, step);
-            log.scalar("train/grad_norm", grad_norm, step);
-            log.scalar("train/tokens_per_s", rate, step);
-            log.progress(
-                step,
-                &format!("{} | lr {lr:.2e} | {rate:.0} tok/s", summary_line(&metrics)),
-            );
+            log.step(step, &metrics, lr, grad_norm, rate);
             if rank == 0 && (step % s.save_every == 0 || step == s.total_steps) {
                 let save_start = Instant::now();
                 checkpoint = Some(self.save(objective, &optimizer, step, stream.position)?);
@@ -231,6 +210,35 @@ impl Trainer<'_> {
             eval,
             checkpoint,
         })
+    }
+
+    /// Sums this step's gradients, figures and token count over the ranks (a single process
+    /// has nothing to do).
+    fn sum_over_ranks(
+        &self,
+        objective: &dyn Objective,
+        metrics: &mut Metrics,
+        tokens: &mut usize,
+        step: u64,
+    ) -> anyhow::Result<()> {
+        let Some(group) = self.group else {
+            return Ok(());
+        };
+        let failed = || {
+            format!(
+                "rank {} of {}, step {}: summing over the ranks failed (did another rank stop? \
+                 its own output says why)",
+                group.rank,
+                group.world,
+                step + 1
+            )
+        };
+        group
+            .all_reduce_gradients(objective.params())
+            .with_context(failed)?;
+        group
+            .all_reduce_metrics(metrics, tokens)
+            .with_context(failed)
     }
 
     /// This process's rank, and how many train together.
@@ -431,13 +439,23 @@ impl Log {
         }
     }
 
-    fn progress(&self, step: u64, text: &str) {
+    /// The figures of a finished step: scalars and the bar's message (without a terminal, a
+    /// line every tenth of the run).
+    fn step(&mut self, step: u64, metrics: &Metrics, lr: f64, grad_norm: f64, tokens_per_s: f64) {
+        self.metrics("train", metrics, step);
+        self.scalar("train/lr", lr, step);
+        self.scalar("train/grad_norm", grad_norm, step);
+        self.scalar("train/tokens_per_s", tokens_per_s, step);
+        let text = format!(
+            "{} | lr {lr:.2e} | {tokens_per_s:.0} tok/s",
+            summary_line(metrics)
+        );
         self.bar.set_position(step);
         let tenth = step.is_multiple_of(self.total_steps.div_ceil(10)) || step == self.total_steps;
         if self.writer.is_some() && self.bar.is_hidden() && tenth {
             eprintln!("step {step}/{}: {text}", self.total_steps);
         }
-        self.bar.set_message(text.to_string());
+        self.bar.set_message(text);
     }
 
     fn finish(&mut self) {
