@@ -26,9 +26,14 @@ fn write_corpus(path: &Path) {
 /// `headway-train prepare` of the corpus under `root` into `out`; with `abort_after`, killed
 /// after that many shards.
 fn prepare(root: &Path, out: &Path, abort_after: Option<usize>) -> Output {
+    prepare_with(root, out, &[], abort_after)
+}
+
+/// [`prepare`] with `extra` options.
+fn prepare_with(root: &Path, out: &Path, extra: &[&str], abort_after: Option<usize>) -> Output {
     let data = root.join("chats.jsonl");
     let target = root.join("target");
-    let args = [
+    let mut args = vec![
         "prepare",
         "--data",
         data.to_str().unwrap(),
@@ -49,6 +54,7 @@ fn prepare(root: &Path, out: &Path, abort_after: Option<usize>) -> Output {
         "--held-out",
         "0.2",
     ];
+    args.extend(extra);
     match abort_after {
         Some(n) => headway_train_killed("killed_prepare_child", &args, AbortAfter::Shards(n)),
         None => headway_train(&args),
@@ -198,4 +204,75 @@ fn verify_names_each_bad_shard_and_a_foreign_target() {
         "{}",
         stderr(&verify)
     );
+}
+
+#[test]
+fn three_prepare_slices_merge_into_the_single_runs_directory() {
+    let dir = tempfile::tempdir().unwrap();
+    let root = dir.path();
+    write_tiny_model(&root.join("target"), 3).unwrap();
+    write_corpus(&root.join("chats.jsonl"));
+    let whole = root.join("whole");
+    let out = prepare(root, &whole, None);
+    assert!(out.status.success(), "{}", stderr(&out));
+    let slices: Vec<String> = (0..3)
+        .map(|i| {
+            let slice = root.join(format!("slice-{i}"));
+            let shard = format!("{i}/3");
+            let out = prepare_with(root, &slice, &["--shard", &shard], None);
+            assert!(out.status.success(), "{}", stderr(&out));
+            assert!(
+                stdout(&out).contains(&format!("slice {i}/3:")),
+                "{}",
+                stdout(&out)
+            );
+            slice.to_str().unwrap().to_string()
+        })
+        .collect();
+    let train_on_slice = run(
+        "headway-train",
+        &[
+            "eagle",
+            "--features",
+            &slices[0],
+            "--target",
+            root.join("target").to_str().unwrap(),
+            "--out",
+            root.join("eagle").to_str().unwrap(),
+            "--steps",
+            "1",
+        ],
+    );
+    assert!(!train_on_slice.status.success());
+    assert!(
+        stderr(&train_on_slice).contains("merge-features"),
+        "{}",
+        stderr(&train_on_slice)
+    );
+    let merged = root.join("merged");
+    let mut args = vec!["merge-features", "--out", merged.to_str().unwrap()];
+    args.extend(slices.iter().rev().map(String::as_str));
+    let out = run("headway-train", &args);
+    assert!(out.status.success(), "{}", stderr(&out));
+    assert!(stdout(&out).contains("merged 3 slices"), "{}", stdout(&out));
+    let verify = run(
+        "headway-train",
+        &["verify", "--features", merged.to_str().unwrap()],
+    );
+    assert!(verify.status.success(), "{}", stderr(&verify));
+    let shards = |dir: &Path| -> BTreeMap<String, Vec<u8>> {
+        files(dir)
+            .into_iter()
+            .filter(|(name, _)| name.ends_with(".safetensors"))
+            .collect()
+    };
+    assert!(
+        shards(&merged) == shards(&whole),
+        "merged shards differ from the single run's"
+    );
+    let bad = run(
+        "headway-train",
+        &["prepare", "--data", "x", "--out", "y", "--shard", "3/3"],
+    );
+    assert!(stderr(&bad).contains("0 ≤ I < N"), "{}", stderr(&bad));
 }
