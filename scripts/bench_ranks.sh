@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # `make bench-ranks`: data-parallel head training on this machine (issue 24) — one process with
 # one thread against two ranks over torch.distributed's Gloo on loopback with one thread each,
-# the same global batch (2 micro-batches per step), alternating in one run. Prints training
-# tokens/s (checkpoint writes and held-out evaluation not counted) and the ratio.
+# the same global batch, alternating in one run. Prints training tokens/s (checkpoint writes and
+# held-out evaluation not counted) and the ratio. Each micro-batch goes to the rank with the
+# fewest padded tokens so far in its step, so more micro-batches per step even the ranks out.
 #
 #   RANKS_FEATURES  features to train on (default: made here from 48 ShareGPT conversations)
 #   RANKS_HEAD      eagle (default), medusa or eagle3

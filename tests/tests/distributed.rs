@@ -14,6 +14,18 @@ use headway_tests::{as_strs, binary, eval_heads, features, stderr};
 /// `headway-train HEAD` on the fixture's features: `steps` steps of two 64-token micro-batches
 /// (the global batch), one thread, checkpoints every `save_every`.
 fn train_args(head: &str, root: &Path, out: &Path, steps: u64, save_every: u64) -> Vec<String> {
+    train_args_accumulating(head, root, out, steps, save_every, 2)
+}
+
+/// [`train_args`] with `accum` micro-batches per step.
+fn train_args_accumulating(
+    head: &str,
+    root: &Path,
+    out: &Path,
+    steps: u64,
+    save_every: u64,
+    accum: usize,
+) -> Vec<String> {
     let root_path = |p: &str| root.join(p).to_str().unwrap().to_string();
     let mut args: Vec<String> = vec![head.into(), "--features".into(), root_path("features")];
     args.extend(["--target".into(), root_path("target")]);
@@ -21,7 +33,7 @@ fn train_args(head: &str, root: &Path, out: &Path, steps: u64, save_every: u64) 
     for (flag, value) in [
         ("--steps", steps.to_string()),
         ("--save-every", save_every.to_string()),
-        ("--grad-accum", "2".into()),
+        ("--grad-accum", accum.to_string()),
         ("--batch-tokens", "64".into()),
         ("--warmup", "2".into()),
         ("--lr", "1e-3".into()),
@@ -96,12 +108,15 @@ fn two_ranks_over_gloo_train_the_weights_of_one_process() {
     let dir = tempfile::tempdir().unwrap();
     let root = dir.path();
     features(root);
-    for head in ["eagle", "medusa", "eagle3"] {
-        let single = root.join(format!("{head}-1"));
-        let out = headway_tests::headway_train(&as_strs(&train_args(head, root, &single, 20, 10)));
+    // With 2 micro-batches per step each rank sums one; with 5 the ranks deal them by size and
+    // the sums run in another order than one process's.
+    for (head, accum) in [("eagle", 2), ("medusa", 2), ("eagle3", 2), ("eagle", 5)] {
+        let args = |out: &Path| train_args_accumulating(head, root, out, 20, 10, accum);
+        let single = root.join(format!("{head}-{accum}-1"));
+        let out = headway_tests::headway_train(&as_strs(&args(&single)));
         assert!(out.status.success(), "{head}: {}", stderr(&out));
-        let double = root.join(format!("{head}-2"));
-        let outputs = run_ranks(&train_args(head, root, &double, 20, 10), 2);
+        let double = root.join(format!("{head}-{accum}-2"));
+        let outputs = run_ranks(&args(&double), 2);
         for (rank, out) in outputs.iter().enumerate() {
             assert!(out.status.success(), "{head} rank {rank}: {}", stderr(out));
             assert!(
@@ -112,7 +127,10 @@ fn two_ranks_over_gloo_train_the_weights_of_one_process() {
         }
         let step = |run: &Path| run.join("step-00000020");
         let difference = max_difference(&step(&single), &step(&double));
-        eprintln!("{head}: max |Δ| between 1 and 2 ranks after 20 steps: {difference:e}");
+        eprintln!(
+            "{head}, {accum} micro-batches per step: max |Δ| between 1 and 2 ranks after 20 \
+             steps: {difference:e}"
+        );
         assert!(difference <= 1e-6, "{head}: {difference}");
         // The optimizer's step count and data position are the single run's too.
         let state =

@@ -27,6 +27,14 @@ pub struct Batch {
     pub tokens: usize,
 }
 
+/// A batch the stream has moved past: its range in the shard's order, and its size.
+pub struct BatchSlot {
+    start: usize,
+    end: usize,
+    /// Sequences × the longest of them: what its forward and backward cost.
+    pub padded_tokens: usize,
+}
+
 /// Where a stream stands: the next batch starts at sequence `sequence` (in shuffled order) of
 /// shard `shard` (in the epoch's shuffled order) of epoch `epoch`.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
@@ -147,24 +155,13 @@ impl<'a> BatchStream<'a> {
     /// The next batch, or `None` at the end of the epoch (the position then moves to the next
     /// epoch's start).
     pub fn next_batch(&mut self) -> anyhow::Result<Option<Batch>> {
-        let Some((start, end)) = self.advance()? else {
-            return Ok(None);
-        };
-        let loaded = self
-            .current
-            .as_ref()
-            .expect("advance keeps the shard it read");
-        Ok(Some(self.assemble(&loaded.data, &loaded.order[start..end])))
+        Ok(self.next_slot()?.map(|slot| self.assemble_slot(&slot)))
     }
 
-    /// Moves past the next batch without assembling it (another rank trains on it); `None` at
-    /// the end of the epoch, as [`Self::next_batch`].
-    pub fn skip_batch(&mut self) -> anyhow::Result<Option<()>> {
-        Ok(self.advance()?.map(|_| ()))
-    }
-
-    /// The next batch's range in the current shard's order, with the position moved past it.
-    fn advance(&mut self) -> anyhow::Result<Option<(usize, usize)>> {
+    /// Moves past the next batch without assembling it, `None` at the end of the epoch (as
+    /// [`Self::next_batch`]): its size decides which rank trains on it, and only that rank
+    /// assembles it ([`Self::assemble_slot`], before the stream moves on).
+    pub fn next_slot(&mut self) -> anyhow::Result<Option<BatchSlot>> {
         let p = self.position;
         if p.shard >= self.shards.len() {
             self.position = DataPosition {
@@ -186,6 +183,11 @@ impl<'a> BatchStream<'a> {
             anyhow::bail!("data position {p:?} is not at a batch boundary (other --batch-tokens than the run being resumed?)");
         };
         let (start, end) = loaded.batches[batch_index];
+        let lengths = loaded.order[start..end].iter().map(|&i| {
+            let offsets = &loaded.data.offsets;
+            (offsets[i + 1] - offsets[i]) as usize
+        });
+        let padded_tokens = (end - start) * lengths.max().expect("a batch has a sequence");
         self.position = if end == loaded.order.len() {
             DataPosition {
                 epoch: p.epoch,
@@ -196,7 +198,20 @@ impl<'a> BatchStream<'a> {
             DataPosition { sequence: end, ..p }
         };
         self.current = Some(loaded);
-        Ok(Some((start, end)))
+        Ok(Some(BatchSlot {
+            start,
+            end,
+            padded_tokens,
+        }))
+    }
+
+    /// The batch `slot` (just returned by [`Self::next_slot`]) of the shard in memory.
+    pub fn assemble_slot(&self, slot: &BatchSlot) -> Batch {
+        let loaded = self
+            .current
+            .as_ref()
+            .expect("next_slot keeps the shard it read");
+        self.assemble(&loaded.data, &loaded.order[slot.start..slot.end])
     }
 
     fn load(&self, epoch: u64, slot: usize) -> anyhow::Result<LoadedShard> {

@@ -3,8 +3,10 @@
 //! `--resume` continues bit for bit.
 //!
 //! Data parallel: with a [`ProcessGroup`] of W ranks, the `grad_accum` micro-batches of each
-//! optimizer update (the global batch) are dealt out, micro-batch m to rank m mod W; every rank
-//! walks the same batch stream, loads only its own micro-batches, and the gradients are summed
+//! optimizer update (the global batch) are dealt out as they come, each to the rank with the
+//! fewest padded tokens so far in the step (the lowest such rank on a tie), which evens out
+//! micro-batches of different sizes without looking ahead; every rank walks the same batch stream
+//! and so deals the same way, assembles only its own micro-batches, and the gradients are summed
 //! over the ranks before clipping. The update is then the one a single process computes (up to
 //! the order of the floating-point sums), so settings, checkpoints and data positions do not
 //! depend on W. Rank 0 alone writes checkpoints and logs and evaluates the held-out split.
@@ -107,9 +109,9 @@ impl Trainer<'_> {
         let s = &self.settings;
         let (rank, world) = (self.rank(), self.world());
         anyhow::ensure!(
-            s.grad_accum.is_multiple_of(world),
-            "--grad-accum {} does not split over {world} ranks: each optimizer update's \
-             micro-batches are dealt out to the ranks, so give a multiple of {world}",
+            s.grad_accum >= world,
+            "--grad-accum {} is less than the {world} ranks: each optimizer update's \
+             micro-batches are dealt out to the ranks, so give at least {world}",
             s.grad_accum
         );
         if rank == 0 {
@@ -146,14 +148,10 @@ impl Trainer<'_> {
         while step < s.total_steps {
             let mut metrics = Metrics::default();
             let mut step_tokens = 0;
+            let mut dealt = vec![0usize; world];
             let mut micro = 0;
             while micro < s.grad_accum {
-                let mine = micro % world == rank;
-                let batch = match mine {
-                    true => stream.next_batch()?.map(Some),
-                    false => stream.skip_batch()?.map(|_| None),
-                };
-                let Some(batch) = batch else {
+                let Some(slot) = stream.next_slot()? else {
                     if rank == 0 {
                         let eval =
                             self.logged_evaluation(objective, &mut log, step, &mut eval_seconds)?;
@@ -166,7 +164,12 @@ impl Trainer<'_> {
                     }
                     continue;
                 };
-                if let Some(batch) = batch {
+                let owner = (0..world)
+                    .min_by_key(|&r| dealt[r])
+                    .expect("at least one rank");
+                dealt[owner] += slot.padded_tokens;
+                if owner == rank {
+                    let batch = stream.assemble_slot(&slot);
                     // Noise and any other randomness depend only on (seed, step, micro-batch).
                     tch::manual_seed(mix64(
                         s.seed ^ mix64(step * s.grad_accum as u64 + micro as u64),
