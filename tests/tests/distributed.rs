@@ -6,7 +6,8 @@
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Output, Stdio};
-use std::time::{Duration, Instant};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use headway_model::safetensors_io::from_safetensors_bytes;
 use headway_tests::{as_strs, binary, eval_heads, features, stderr};
@@ -49,10 +50,28 @@ fn train_args_accumulating(
     args
 }
 
-/// A port nothing listens on now.
+/// A port nothing listens on now, below the kernel's ephemeral range (32768 on): a port the
+/// kernel hands out to another test's connection in the meantime cannot be this one.
 fn free_port() -> u16 {
-    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-    listener.local_addr().unwrap().port()
+    static CALLS: AtomicU64 = AtomicU64::new(0);
+    let nanos = SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .unwrap()
+        .subsec_nanos();
+    let mut state = u64::from(nanos)
+        ^ (u64::from(std::process::id()) << 32)
+        ^ CALLS
+            .fetch_add(1, Ordering::Relaxed)
+            .wrapping_mul(0x9E37_79B9_7F4A_7C15);
+    loop {
+        state = state
+            .wrapping_mul(6_364_136_223_846_793_005)
+            .wrapping_add(1);
+        let port = 20_000 + (state >> 33) as u16 % 10_000;
+        if std::net::TcpListener::bind(("127.0.0.1", port)).is_ok() {
+            return port;
+        }
+    }
 }
 
 /// Rank `rank` of `world` running `headway-train args`, meeting the others at `port`.
