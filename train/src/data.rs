@@ -101,6 +101,8 @@ struct LoadedShard {
     slot: usize,
     data: ShardData,
     order: Vec<usize>,
+    /// Tokens of each sequence, in stored order.
+    lengths: Vec<usize>,
     batches: Vec<(usize, usize)>,
 }
 
@@ -183,11 +185,8 @@ impl<'a> BatchStream<'a> {
             anyhow::bail!("data position {p:?} is not at a batch boundary (other --batch-tokens than the run being resumed?)");
         };
         let (start, end) = loaded.batches[batch_index];
-        let lengths = loaded.order[start..end].iter().map(|&i| {
-            let offsets = &loaded.data.offsets;
-            (offsets[i + 1] - offsets[i]) as usize
-        });
-        let padded_tokens = (end - start) * lengths.max().expect("a batch has a sequence");
+        let longest = loaded.order[start..end].iter().map(|&i| loaded.lengths[i]);
+        let padded_tokens = (end - start) * longest.max().expect("a batch has a sequence");
         self.position = if end == loaded.order.len() {
             DataPosition {
                 epoch: p.epoch,
@@ -234,6 +233,7 @@ impl<'a> BatchStream<'a> {
             slot,
             data,
             order,
+            lengths,
             batches,
         })
     }

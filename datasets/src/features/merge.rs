@@ -9,6 +9,7 @@
 //! (atomically) where not; the manifest is written last, so an interrupted merge leaves no
 //! manifest and rerunning it finishes the job. A finished merge rerun is a no-op.
 
+use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 
 use headway_model::files::{remove_stale_temp_files, write_atomically};
@@ -192,6 +193,7 @@ fn plan_order(manifests: &[(PathBuf, Manifest)]) -> Result<Vec<(&Path, &ShardEnt
     let count = manifests.len();
     let total: usize = manifests.iter().map(|(_, m)| m.shards.len()).sum();
     let mut ordered: Vec<(&Path, &ShardEntry)> = Vec::with_capacity(total);
+    let mut listed_by: HashMap<&str, &Path> = HashMap::with_capacity(total);
     for position in 0..total {
         let (dir, manifest) = &manifests[position % count];
         let Some(entry) = manifest.shards.get(position / count) else {
@@ -204,7 +206,7 @@ fn plan_order(manifests: &[(PathBuf, Manifest)]) -> Result<Vec<(&Path, &ShardEnt
                 ),
             ));
         };
-        if let Some((other, _)) = ordered.iter().find(|(_, e)| e.file == entry.file) {
+        if let Some(other) = listed_by.insert(&entry.file, dir) {
             return Err(DatasetError::features(
                 dir,
                 format!(
