@@ -29,6 +29,7 @@ pub mod features;
 pub mod regenerate;
 pub mod sharegpt;
 pub mod split;
+pub mod torch_file;
 
 pub use chat_format::{end_of_turn_token, ChatFormatter, ChatSequence};
 pub use conversation::{dedupe, Conversation, Role, Turn};
@@ -38,4 +39,5 @@ pub use corpus::{
 };
 pub use error::{DatasetError, Result};
 pub use sharegpt::parse_sharegpt;
-pub use split::{split, split_of, Split};
+pub use split::{split, split_of, split_of_id, Split};
+pub use torch_file::TorchFile;

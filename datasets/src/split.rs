@@ -46,6 +46,13 @@ pub fn split_of(conversation: &Conversation, held_out_fraction: f64) -> Result<S
     Ok(side(split_hash(conversation), held_out_fraction))
 }
 
+/// The side of the sequence named `id` (features imported from files, named by their paths):
+/// the rule of a conversation with that id.
+pub fn split_of_id(id: &str, held_out_fraction: f64) -> Result<Split> {
+    check_fraction(held_out_fraction)?;
+    Ok(side(mix64(fnv1a64(id.as_bytes())), held_out_fraction))
+}
+
 fn side(hash: u64, held_out_fraction: f64) -> Split {
     // 53 bits fit an f64 mantissa exactly.
     let u = (hash >> 11) as f64 / (1u64 << 53) as f64;
@@ -112,6 +119,12 @@ mod tests {
         assert_eq!(split_hash(&with_id("q_0".into())), 0xf584_c76a_1fce_2bf3);
         assert_eq!(split_of(&convs[0], 0.0).unwrap(), Split::Train);
         assert_eq!(split_of(&convs[0], 1.0).unwrap(), Split::HeldOut);
+        for (id, conversation) in ids.iter().zip(&convs).take(100) {
+            assert_eq!(
+                split_of_id(id, 0.1).unwrap(),
+                split_of(conversation, 0.1).unwrap()
+            );
+        }
     }
 
     #[test]

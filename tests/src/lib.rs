@@ -1,6 +1,7 @@
 //! End-to-end tests of the Headway binaries (in `tests/`): they run `headway-train` and
 //! `headway-serve` as a user would, on tiny random models and on the real SmolLM2.
 
+use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 
@@ -236,4 +237,25 @@ pub fn import_head(from: &Path, format: &str, out: &Path, target: &Path) -> Outp
             target.to_str().unwrap(),
         ],
     )
+}
+
+/// Every file directly in `dir`, by name: its bytes.
+pub fn dir_files(dir: &Path) -> BTreeMap<String, Vec<u8>> {
+    std::fs::read_dir(dir)
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .filter(|p| p.is_file())
+        .map(|p| {
+            let name = p.file_name().unwrap().to_string_lossy().into_owned();
+            (name, std::fs::read(&p).unwrap())
+        })
+        .collect()
+}
+
+/// The shard files of a feature directory (`*.safetensors`), by name.
+pub fn shard_files(dir: &Path) -> BTreeMap<String, Vec<u8>> {
+    dir_files(dir)
+        .into_iter()
+        .filter(|(name, _)| name.ends_with(".safetensors"))
+        .collect()
 }

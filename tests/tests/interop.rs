@@ -3,18 +3,23 @@
 //! `make test` puts on PATH): SpecForge's EAGLE-3 draft model, the EAGLE repository's EAGLE-1
 //! model and the Medusa repository's heads load Headway's exports and compute what Headway
 //! computes, and heads they initialised and trained import into Headway with the same
-//! predictions.
+//! predictions; and hidden states SpecForge's offline pipeline captured become Headway features.
 
+use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
-use std::process::Command;
+use std::process::{Command, Output};
 
 use headway_checkpoints::{load_head, DraftHead};
+use headway_datasets::features::FeatureSet;
 use headway_heads::{Eagle3Head, FeatureHead, FeatureModules};
 use headway_model::safetensors_io::from_safetensors_bytes;
 use headway_model::target::headway_home;
 use headway_model::testing::write_safetensors;
 use headway_model::{CpuThreads, Target};
-use headway_tests::{as_strs, export_head, features, import_head, stderr, stdout, train_args};
+use headway_tests::{
+    as_strs, export_head, features, headway_train_killed, import_head, prepare_args,
+    run_aborting_child, shard_files, stderr, stdout, train_args, AbortAfter,
+};
 use tch::{Device, Kind, Tensor};
 
 /// Logits may differ by this much (f32, different summation orders).
@@ -411,4 +416,219 @@ fn the_medusa_repository_loads_headways_medusa_export_and_headway_imports_its_he
         println!("the Medusa repository's head {k} in Headway: max |Δlogit| {difference:.2e}");
         assert!(difference <= TOLERANCE, "head {k}: {difference:.2e}");
     }
+}
+
+/// `headway-train prepare --from DIR` of the tiny target under `root` with `extra` options.
+fn prepare_from_args(root: &Path, capture: &Path, out: &Path, extra: &[&str]) -> Vec<String> {
+    let path = |p: &Path| p.to_str().unwrap().to_string();
+    let mut args = vec!["prepare".to_string(), "--from".into(), path(capture)];
+    args.extend(["--target".into(), path(&root.join("target"))]);
+    args.extend([
+        "--out".into(),
+        path(out),
+        "--held-out".into(),
+        "0.25".into(),
+    ]);
+    args.extend(extra.iter().map(|s| s.to_string()));
+    args
+}
+
+fn prepare_from(root: &Path, capture: &Path, out: &Path, extra: &[&str]) -> Output {
+    headway_tests::headway_train(&as_strs(&prepare_from_args(root, capture, out, extra)))
+}
+
+/// Not a test: the child process of the kill test here (see `headway_train_killed`).
+#[test]
+#[ignore = "run by prepare_from's kill test as its child process"]
+fn killed_import_child() {
+    run_aborting_child();
+}
+
+/// Every sequence of a feature directory by id: its token ids, loss mask, final hidden state and
+/// taps (f32).
+fn sequences_by_id(dir: &Path) -> BTreeMap<String, Vec<Tensor>> {
+    let set = FeatureSet::open(dir).unwrap();
+    assert!(set.verify().is_empty(), "{} does not verify", dir.display());
+    let mut sequences = BTreeMap::new();
+    for index in 0..set.manifest.shards.len() {
+        let shard = set.load_shard(index).unwrap();
+        for (i, id) in shard.sequence_ids.iter().enumerate() {
+            let s = shard.sequence(i);
+            let mut tensors = vec![s.input_ids, s.loss_mask, s.hidden];
+            tensors.extend(s.taps);
+            let tensors = tensors.iter().map(|t| t.to_kind(Kind::Float)).collect();
+            sequences.insert(id.clone(), tensors);
+        }
+    }
+    sequences
+}
+
+/// SpecForge's capture (`scripts/interop/specforge_capture.py`: its eagle3 capture layout and
+/// `torch.save`, read back by its own offline reader) of the sequences in `features`, into `out`.
+fn specforge_capture(root: &Path, features: &Path, out: &Path, extra: &[&str]) {
+    let text = |p: &Path| p.to_str().unwrap().to_string();
+    let (target, features, out) = (text(&root.join("target")), text(features), text(out));
+    let mut args = vec![
+        "write",
+        "--target",
+        &target,
+        "--features",
+        &features,
+        "--out",
+        &out,
+    ];
+    args.extend(extra);
+    println!(
+        "{}",
+        reference_script("specforge_capture.py", Transformers::Current, &args)
+    );
+}
+
+#[test]
+fn prepare_from_turns_specforges_offline_capture_into_the_same_features() {
+    let dir = tempfile::tempdir().unwrap();
+    let root = dir.path();
+    features(root);
+    // Headway's own extraction of two taps: the reference the imports must equal.
+    let ours = root.join("ours");
+    let mut args = prepare_args(root, &root.join("chats.jsonl"), &ours);
+    let layers = args.iter().position(|a| a == "--layers").unwrap();
+    args[layers + 1] = "0,1".into();
+    let output = headway_tests::headway_train(&as_strs(&args));
+    assert!(output.status.success(), "{}", stderr(&output));
+    let reference = sequences_by_id(&ours);
+    // SpecForge's sequence i is Headway's i-th in manifest order.
+    let mut order = Vec::new();
+    let set = FeatureSet::open(&ours).unwrap();
+    for index in 0..set.manifest.shards.len() {
+        order.extend(set.load_shard(index).unwrap().sequence_ids);
+    }
+    let capture_id = |i: usize| format!("rows_0-2000/data_{i}");
+
+    // f32 capture, f32 features: the states equal Headway's up to transformers' arithmetic.
+    let capture = root.join("capture");
+    specforge_capture(root, &ours, &capture, &[]);
+    let imported = root.join("imported");
+    let output = prepare_from(
+        root,
+        &capture,
+        &imported,
+        &["--layers", "0,1", "--dtype", "f32"],
+    );
+    assert!(output.status.success(), "{}", stderr(&output));
+    println!("{}", stdout(&output));
+    let from_capture = sequences_by_id(&imported);
+    assert_eq!(from_capture.len(), reference.len());
+    let mut worst = 0.0f64;
+    for (i, id) in order.iter().enumerate() {
+        let (ours, theirs) = (&reference[id], &from_capture[&capture_id(i)]);
+        assert!(
+            ours[0].equal(&theirs[0]) && ours[1].equal(&theirs[1]),
+            "{id}: tokens"
+        );
+        for (a, b) in ours[2..].iter().zip(&theirs[2..]) {
+            let scale = a.abs().max().double_value(&[]).max(1.0);
+            worst = worst.max(max_difference(a, b) / scale);
+        }
+    }
+    println!("imported states vs Headway's own: max |Δ| / max(1, max |x|) = {worst:.2e}");
+    assert!(worst <= TOLERANCE, "{worst:.2e}");
+
+    // Killed after its first shard, the same command resumes to the same shards.
+    let resumed = root.join("resumed");
+    let args = prepare_from_args(
+        root,
+        &capture,
+        &resumed,
+        &["--layers", "0,1", "--dtype", "f32"],
+    );
+    let killed = headway_train_killed(
+        "killed_import_child",
+        &as_strs(&args),
+        AbortAfter::Shards(1),
+    );
+    assert!(!killed.status.success(), "{}", stderr(&killed));
+    let output = headway_tests::headway_train(&as_strs(&args));
+    assert!(
+        output.status.success() && stdout(&output).contains("1 kept from an earlier run"),
+        "{}",
+        stdout(&output)
+    );
+    assert!(
+        shard_files(&resumed) == shard_files(&imported),
+        "resumed shards differ"
+    );
+
+    // bf16 gzip capture, default bf16 features: exactly the f32 capture's values rounded.
+    let compressed = root.join("capture-gz");
+    specforge_capture(
+        root,
+        &ours,
+        &compressed,
+        &["--dtype", "bfloat16", "--compress"],
+    );
+    let imported_bf16 = root.join("imported-bf16");
+    let output = prepare_from(root, &compressed, &imported_bf16, &["--layers", "0,1"]);
+    assert!(output.status.success(), "{}", stderr(&output));
+    for (id, tensors) in sequences_by_id(&imported_bf16) {
+        let f32_capture = &from_capture[&id];
+        assert!(tensors[0].equal(&f32_capture[0]) && tensors[1].equal(&f32_capture[1]));
+        for (a, b) in tensors[2..].iter().zip(&f32_capture[2..]) {
+            let rounded = b.to_kind(Kind::BFloat16).to_kind(Kind::Float);
+            assert!(
+                a.equal(&rounded),
+                "{id}: not the f32 capture rounded to bf16"
+            );
+        }
+    }
+
+    // The imported features train an EAGLE-3 head.
+    let heads = root.join("eagle3-from-capture");
+    let mut args = train_args("eagle3", root, heads.to_str().unwrap(), &[]);
+    args[2] = imported.to_str().unwrap().to_string();
+    args.extend(["--taps", "0,1,1", "--ttt", "2", "--draft-vocab", "64"].map(String::from));
+    let output = headway_tests::headway_train(&as_strs(&args));
+    assert!(output.status.success(), "{}", stderr(&output));
+
+    // Bad captures are refused naming the file and the problem.
+    let refused = |capture: &Path, extra: &[&str], expected: &str| {
+        let out = root.join("refused");
+        let output = prepare_from(root, capture, &out, extra);
+        let text = stderr(&output);
+        assert!(
+            !output.status.success() && text.contains(expected),
+            "{text}"
+        );
+        let _ = std::fs::remove_dir_all(&out);
+    };
+    refused(&capture, &["--layers", "1"], "aux_hidden_state has shape");
+    refused(&capture, &["--layers", "1,1"], "--layers names tap 1 twice");
+    refused(
+        &capture,
+        &["--layers", "0,2"],
+        "--layers 2: the target has 2 layers",
+    );
+    refused(
+        &capture,
+        &[],
+        "SpecForge's default capture layers give tap 2",
+    );
+    let empty = root.join("empty");
+    std::fs::create_dir_all(&empty).unwrap();
+    refused(&empty, &[], "no SpecForge capture files");
+    let first = capture.join("rows_0-2000/data_0.ckpt");
+    let bytes = std::fs::read(&first).unwrap();
+    std::fs::write(&first, &bytes[..bytes.len() / 2]).unwrap();
+    refused(
+        &capture,
+        &["--layers", "0,1"],
+        "data_0.ckpt: not a torch.save archive",
+    );
+    let first_gz = compressed.join("rows_0-2000/data_0.ckpt.gz");
+    std::fs::write(&first_gz, b"not gzip").unwrap();
+    refused(
+        &compressed,
+        &["--layers", "0,1"],
+        "data_0.ckpt.gz: not a readable gzip file",
+    );
 }

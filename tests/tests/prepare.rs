@@ -1,13 +1,13 @@
 //! `headway-train prepare` and `verify` as a user runs them: a killed run resumes to the same
 //! files, and verification names what is wrong.
 
-use std::collections::BTreeMap;
 use std::path::Path;
 use std::process::Output;
 
 use headway_model::testing::write_tiny_model;
 use headway_tests::{
-    headway_train, headway_train_killed, run, run_aborting_child, stderr, stdout, AbortAfter,
+    dir_files, headway_train, headway_train_killed, run, run_aborting_child, shard_files, stderr,
+    stdout, AbortAfter,
 };
 
 fn write_corpus(path: &Path) {
@@ -68,19 +68,6 @@ fn killed_prepare_child() {
     run_aborting_child();
 }
 
-fn files(dir: &Path) -> BTreeMap<String, Vec<u8>> {
-    std::fs::read_dir(dir)
-        .unwrap()
-        .map(|e| e.unwrap().path())
-        .map(|p| {
-            (
-                p.file_name().unwrap().to_string_lossy().into_owned(),
-                std::fs::read(&p).unwrap(),
-            )
-        })
-        .collect()
-}
-
 #[test]
 fn a_killed_prepare_resumes_to_byte_identical_files() {
     let dir = tempfile::tempdir().unwrap();
@@ -96,7 +83,7 @@ fn a_killed_prepare_resumes_to_byte_identical_files() {
         summary.contains("16 sequences") && summary.contains("assistant tokens"),
         "{summary}"
     );
-    let expected = files(&out);
+    let expected = dir_files(&out);
     assert!(
         expected
             .keys()
@@ -112,7 +99,7 @@ fn a_killed_prepare_resumes_to_byte_identical_files() {
         !killed.status.success(),
         "the abort hook did not stop the run"
     );
-    let partial = files(&out);
+    let partial = dir_files(&out);
     assert_eq!(
         partial
             .keys()
@@ -139,7 +126,7 @@ fn a_killed_prepare_resumes_to_byte_identical_files() {
         stdout(&resumed)
     );
     assert!(
-        files(&out) == expected,
+        dir_files(&out) == expected,
         "resumed files differ from an uninterrupted run's"
     );
 
@@ -260,14 +247,8 @@ fn three_prepare_slices_merge_into_the_single_runs_directory() {
         &["verify", "--features", merged.to_str().unwrap()],
     );
     assert!(verify.status.success(), "{}", stderr(&verify));
-    let shards = |dir: &Path| -> BTreeMap<String, Vec<u8>> {
-        files(dir)
-            .into_iter()
-            .filter(|(name, _)| name.ends_with(".safetensors"))
-            .collect()
-    };
     assert!(
-        shards(&merged) == shards(&whole),
+        shard_files(&merged) == shard_files(&whole),
         "merged shards differ from the single run's"
     );
     let bad = run(
@@ -275,4 +256,21 @@ fn three_prepare_slices_merge_into_the_single_runs_directory() {
         &["prepare", "--data", "x", "--out", "y", "--shard", "3/3"],
     );
     assert!(stderr(&bad).contains("0 ≤ I < N"), "{}", stderr(&bad));
+}
+
+#[test]
+fn a_layer_named_twice_is_refused_before_anything_is_written() {
+    let dir = tempfile::tempdir().unwrap();
+    let root = dir.path();
+    write_tiny_model(&root.join("target"), 3).unwrap();
+    write_corpus(&root.join("chats.jsonl"));
+    let out = root.join("features");
+    // `prepare_with` already asks for tap 1.
+    let twice = prepare_with(root, &out, &["--layers", "1"], None);
+    assert!(
+        !twice.status.success() && stderr(&twice).contains("--layers names tap 1 twice"),
+        "{}",
+        stderr(&twice)
+    );
+    assert!(!out.exists(), "refused, yet {} was made", out.display());
 }

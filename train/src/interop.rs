@@ -23,6 +23,7 @@ use std::path::{Path, PathBuf};
 
 use anyhow::Context;
 use headway_checkpoints::{CheckpointConfig, HeadKind, TargetRef, CHECKPOINT_FORMAT};
+use headway_datasets::TorchFile;
 use headway_heads::eagle::fold_embed_scale;
 use headway_heads::{Eagle3Config, EagleConfig, MedusaConfig};
 use headway_model::fingerprint::target_fingerprint;
@@ -436,24 +437,7 @@ fn read_head_tensors(dir: &Path) -> anyhow::Result<BTreeMap<String, Tensor>> {
 
 /// The tensors of a `torch.save`d state dict, as f32 or i64 tch tensors.
 fn read_pickle(path: &Path) -> anyhow::Result<BTreeMap<String, Tensor>> {
-    let stored = candle_core::pickle::read_all(path).with_context(|| {
-        format!(
-            "{}: not a PyTorch state dict candle can read",
-            path.display()
-        )
-    })?;
-    stored
-        .into_iter()
-        .map(|(name, tensor)| {
-            let shape: Vec<i64> = tensor.dims().iter().map(|&d| d as i64).collect();
-            let flat = tensor.flatten_all()?;
-            let tensor = match tensor.dtype() {
-                candle_core::DType::I64 => Tensor::from_slice(&flat.to_vec1::<i64>()?),
-                _ => Tensor::from_slice(&flat.to_dtype(candle_core::DType::F32)?.to_vec1::<f32>()?),
-            };
-            Ok((name, tensor.view(shape.as_slice())))
-        })
-        .collect::<anyhow::Result<_>>()
+    Ok(TorchFile::open(path)?.read_all()?)
 }
 
 /// Medusa heads under Headway's names (the Medusa repository's): from `medusa_lm_head.pt` (the

