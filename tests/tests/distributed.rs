@@ -246,3 +246,21 @@ fn a_resume_with_another_world_size_is_refused() {
         );
     }
 }
+
+#[test]
+fn nccl_on_cpu_ranks_is_refused_naming_the_fix() {
+    let dir = tempfile::tempdir().unwrap();
+    let root = dir.path();
+    features(root);
+    let mut args = train_args("eagle", root, &root.join("eagle"), 4, 2);
+    args.extend(["--dist-backend".into(), "nccl".into()]);
+    for output in run_ranks(&args, 2) {
+        let message = stderr(&output);
+        assert!(
+            !output.status.success()
+                && message.contains("--dist-backend nccl sums CUDA tensors")
+                && message.contains("--dist-backend gloo"),
+            "{message}"
+        );
+    }
+}

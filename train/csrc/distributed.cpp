@@ -1,56 +1,37 @@
 // torch.distributed's C++ side (c10d), which tch 0.24 does not reach: a TCPStore rendezvous as
-// torchrun's env:// init makes, and a Gloo process group for gradient all-reduces. C++
-// exceptions must not cross into Rust: every function catches them and hands back the message.
+// torchrun's env:// init makes, a Gloo process group, and the collectives every backend shares
+// (the NCCL group is built in distributed_nccl.cpp). C++ exceptions must not cross into Rust:
+// every function catches them and hands back the message.
 #define USE_C10D_GLOO
 #include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
-#include <torch/csrc/distributed/c10d/TCPStore.hpp>
 
-#include <cstring>
+#include "distributed.hpp"
 
-namespace {
+using headway::Group;
+using headway::guarded;
 
-struct Group {
-  c10::intrusive_ptr<c10d::Store> store;
-  c10::intrusive_ptr<c10d::Backend> backend;
-};
-
-// A malloc'ed copy of `message` for Rust to read and free with headway_dist_free_error.
-char *copy_message(const char *message) { return strdup(message); }
-
-template <typename F>
-bool guarded(char **error, F f) {
-  try {
-    f();
-    return true;
-  } catch (const c10::Error &e) {
-    *error = copy_message(e.what_without_backtrace());
-  } catch (const std::exception &e) {
-    *error = copy_message(e.what());
-  } catch (...) {
-    *error = copy_message("unknown C++ exception");
-  }
-  return false;
+c10::intrusive_ptr<c10d::Store> headway::rendezvous(const char *host, uint16_t port, int rank,
+                                                    int world, std::chrono::milliseconds timeout) {
+  c10d::TCPStoreOptions options;
+  options.port = port;
+  options.isServer = rank == 0;
+  options.numWorkers = static_cast<size_t>(world);
+  options.waitWorkers = true;
+  options.timeout = timeout;
+  return c10::make_intrusive<c10d::TCPStore>(host, options);
 }
-
-}  // namespace
 
 extern "C" {
 
-// Joins the group `rank` of `world` through the TCPStore at host:port (rank 0 serves it and waits
-// for every rank), then builds a Gloo process group over it. Collectives that wait longer than
-// `timeout_ms` (a peer died or hangs) fail instead of blocking forever. Null on failure.
+// Joins the group `rank` of `world` through the TCPStore at host:port, then builds a Gloo process
+// group over it. Collectives that wait longer than `timeout_ms` (a peer died or hangs) fail
+// instead of blocking forever. Null on failure.
 void *headway_dist_new(const char *host, uint16_t port, int rank, int world, int64_t timeout_ms,
                        char **error) {
   Group *group = nullptr;
   guarded(error, [&] {
     auto timeout = std::chrono::milliseconds(timeout_ms);
-    c10d::TCPStoreOptions options;
-    options.port = port;
-    options.isServer = rank == 0;
-    options.numWorkers = static_cast<size_t>(world);
-    options.waitWorkers = true;
-    options.timeout = timeout;
-    auto store = c10::make_intrusive<c10d::TCPStore>(host, options);
+    auto store = headway::rendezvous(host, port, rank, world, timeout);
     auto gloo_options = c10d::ProcessGroupGloo::Options::create(timeout);
     gloo_options->devices.push_back(c10d::ProcessGroupGloo::createDefaultDevice());
     auto backend = c10::make_intrusive<c10d::ProcessGroupGloo>(store, rank, world, gloo_options);

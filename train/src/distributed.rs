@@ -1,6 +1,8 @@
 //! Data-parallel training on torch.distributed: ranks meet through c10d's TCPStore (what
-//! torchrun's `env://` rendezvous uses) and sum gradients with c10d's Gloo process group, reached
-//! through `csrc/distributed.cpp` since tch 0.24 binds neither.
+//! torchrun's `env://` rendezvous uses) and sum gradients with c10d's Gloo process group on the
+//! CPU, or its NCCL group on CUDA (built where CUDA's headers are found: `cfg(headway_nccl)`),
+//! reached through `csrc/distributed.cpp` and `csrc/distributed_nccl.cpp` since tch 0.24 binds
+//! none of them.
 //!
 //! Launch as PyTorch users launch: `RANK`, `WORLD_SIZE`, `LOCAL_RANK`, `MASTER_ADDR` and
 //! `MASTER_PORT` in the environment (torchrun sets them), or the flags of [`DistributedArgs`].
@@ -10,7 +12,7 @@ use std::time::Duration;
 
 use anyhow::Context;
 use headway_heads::Params;
-use tch::{Kind, Tensor};
+use tch::{Device, Kind, Tensor};
 
 use crate::objective::Metrics;
 
@@ -24,6 +26,16 @@ extern "C" {
         error: *mut *mut c_char,
     ) -> *mut c_void;
     fn headway_dist_free(group: *mut c_void);
+    #[cfg(headway_nccl)]
+    fn headway_dist_new_nccl(
+        host: *const c_char,
+        port: u16,
+        rank: c_int,
+        world: c_int,
+        timeout_ms: i64,
+        device: c_int,
+        error: *mut *mut c_char,
+    ) -> *mut c_void;
     fn headway_dist_free_error(error: *mut c_char);
     fn headway_dist_all_reduce_sum(
         group: *mut c_void,
@@ -61,6 +73,42 @@ pub struct DistributedArgs {
     /// gives up; a rank that dies closes its connections and the others fail at once.
     #[arg(long, default_value_t = 600)]
     pub dist_timeout: u64,
+    /// The process group: `nccl` sums CUDA tensors GPU to GPU, `gloo` any tensors through host
+    /// memory; `auto` takes NCCL on CUDA and Gloo on the CPU, as PyTorch's default does.
+    #[arg(long, value_enum, default_value = "auto")]
+    pub dist_backend: BackendChoice,
+}
+
+/// `--dist-backend`.
+#[derive(clap::ValueEnum, Debug, Clone, Copy, PartialEq, Eq)]
+pub enum BackendChoice {
+    Auto,
+    Gloo,
+    Nccl,
+}
+
+/// The c10d backend a group runs on.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Backend {
+    Gloo,
+    /// On the CUDA device of this index.
+    Nccl(usize),
+}
+
+impl BackendChoice {
+    /// The backend for a rank training on `device`; an error when NCCL is asked for where it
+    /// cannot run.
+    pub fn resolve(self, device: Device) -> anyhow::Result<Backend> {
+        match (self, device) {
+            (Self::Gloo, _) | (Self::Auto, Device::Cpu) => Ok(Backend::Gloo),
+            (Self::Auto | Self::Nccl, Device::Cuda(index)) => Ok(Backend::Nccl(index)),
+            (Self::Nccl, other) => anyhow::bail!(
+                "--dist-backend nccl sums CUDA tensors, and this rank trains on {other:?}: use \
+                 --device cuda, or --dist-backend gloo"
+            ),
+            (Self::Auto, other) => anyhow::bail!("no process group for device {other:?}"),
+        }
+    }
 }
 
 impl DistributedArgs {
@@ -72,8 +120,9 @@ impl DistributedArgs {
         }
     }
 
-    /// Joins the run's process group; `None` for a single process.
-    pub fn join(&self) -> anyhow::Result<Option<ProcessGroup>> {
+    /// Joins the run's process group for a rank training on `device`; `None` for a single
+    /// process.
+    pub fn join(&self, device: Device) -> anyhow::Result<Option<ProcessGroup>> {
         anyhow::ensure!(
             self.world_size >= 1,
             "--world-size (WORLD_SIZE) must be at least 1"
@@ -93,6 +142,7 @@ impl DistributedArgs {
             self.rank,
             self.world_size,
             Duration::from_secs(self.dist_timeout),
+            self.dist_backend.resolve(device)?,
         )
         .with_context(|| {
             format!(
@@ -104,11 +154,14 @@ impl DistributedArgs {
     }
 }
 
-/// A Gloo process group this process belongs to.
+/// A process group this process belongs to.
 pub struct ProcessGroup {
     raw: *mut c_void,
     pub rank: usize,
     pub world: usize,
+    /// Where the group's collectives take their tensors: the CPU for Gloo, the rank's GPU for
+    /// NCCL (which reads only CUDA tensors).
+    device: Device,
 }
 
 /// Turns a shim call's result into an error carrying its C++ message.
@@ -128,29 +181,54 @@ fn checked(ok: bool, error: *mut c_char, what: &str) -> anyhow::Result<()> {
 
 impl ProcessGroup {
     /// Rendezvous at host:port (rank 0 serves the store and waits for all `world` ranks), then
-    /// a Gloo group whose collectives fail after `timeout`.
+    /// a group on `backend` whose collectives fail after `timeout`.
     pub fn join(
         host: &str,
         port: u16,
         rank: usize,
         world: usize,
         timeout: Duration,
+        backend: Backend,
     ) -> anyhow::Result<Self> {
         let host = CString::new(host).context("MASTER_ADDR holds a NUL byte")?;
         let mut error = std::ptr::null_mut();
-        // SAFETY: the shim reads the C string during the call, and writes only `error`.
-        let raw = unsafe {
-            headway_dist_new(
-                host.as_ptr(),
-                port,
-                rank as c_int,
-                world as c_int,
-                timeout.as_millis() as i64,
-                &mut error,
-            )
+        let (rank_c, world_c) = (rank as c_int, world as c_int);
+        let timeout_ms = timeout.as_millis() as i64;
+        // SAFETY (both calls): the shim reads the C string during the call, and writes only
+        // `error`.
+        let (raw, device) = match backend {
+            Backend::Gloo => {
+                let raw = unsafe {
+                    headway_dist_new(host.as_ptr(), port, rank_c, world_c, timeout_ms, &mut error)
+                };
+                (raw, Device::Cpu)
+            }
+            Backend::Nccl(index) => (
+                new_nccl(&host, port, rank_c, world_c, timeout_ms, index, &mut error)?,
+                Device::Cuda(index),
+            ),
         };
         checked(!raw.is_null(), error, "rendezvous")?;
-        Ok(Self { raw, rank, world })
+        Ok(Self {
+            raw,
+            rank,
+            world,
+            device,
+        })
+    }
+
+    /// `tensor` (on the CPU) summed over all ranks, through the group's device.
+    fn summed(&self, tensor: &Tensor) -> anyhow::Result<Tensor> {
+        let mut on_device = tensor.to_device(self.device);
+        self.all_reduce_sum(&mut on_device)?;
+        Ok(on_device.to_device(Device::Cpu))
+    }
+
+    /// Rank `root`'s `tensor` (on the CPU), through the group's device.
+    fn broadcast_from(&self, tensor: &Tensor, root: usize) -> anyhow::Result<Tensor> {
+        let mut on_device = tensor.to_device(self.device);
+        self.broadcast(&mut on_device, root)?;
+        Ok(on_device.to_device(Device::Cpu))
     }
 
     /// Sums `tensor` over all ranks, in place.
@@ -191,13 +269,12 @@ impl ProcessGroup {
     pub fn all_reduce_gradients(&self, params: &Params) -> anyhow::Result<()> {
         let _no_grad = tch::no_grad_guard();
         self.check_same_count("parameters", params.len())?;
-        let mut defined = Tensor::from_slice(
+        let defined = self.summed(&Tensor::from_slice(
             &params
                 .iter()
                 .map(|(_, p)| f32::from(u8::from(p.grad().defined())))
                 .collect::<Vec<f32>>(),
-        );
-        self.all_reduce_sum(&mut defined)?;
+        ))?;
         let defined = Vec::<f32>::try_from(&defined)?;
         let mut grads = Vec::new();
         for ((_, param), &ranks) in params.iter().zip(&defined) {
@@ -232,8 +309,7 @@ impl ProcessGroup {
     /// Refuses ranks that disagree on `count` (a different head), before collectives whose
     /// sizes depend on it would wait on each other until the timeout.
     fn check_same_count(&self, what: &str, count: usize) -> anyhow::Result<()> {
-        let mut total = Tensor::from_slice(&[count as i64]);
-        self.all_reduce_sum(&mut total)?;
+        let total = self.summed(&Tensor::from_slice(&[count as i64]))?;
         let total = total.int64_value(&[0]) as usize;
         anyhow::ensure!(
             total == count * self.world,
@@ -257,9 +333,7 @@ impl ProcessGroup {
         }
         let mut values: Vec<f64> = metrics.0.values().flat_map(|&(s, c)| [s, c]).collect();
         values.push(*tokens as f64);
-        let mut flat = Tensor::from_slice(&values);
-        self.all_reduce_sum(&mut flat)?;
-        let summed = Vec::<f64>::try_from(&flat)?;
+        let summed = Vec::<f64>::try_from(&self.summed(&Tensor::from_slice(&values))?)?;
         for (slot, pair) in metrics.0.values_mut().zip(summed.chunks_exact(2)) {
             *slot = (pair[0], pair[1]);
         }
@@ -275,14 +349,13 @@ impl ProcessGroup {
         let own = names.cloned().collect::<Vec<_>>().join("\n");
         let mut union = std::collections::BTreeSet::new();
         for root in 0..self.world {
-            let mut len = Tensor::from_slice(&[own.len() as i64]);
-            self.broadcast(&mut len, root)?;
+            let len = self.broadcast_from(&Tensor::from_slice(&[own.len() as i64]), root)?;
             let mut bytes = match root == self.rank {
                 true => Tensor::from_slice(own.as_bytes()),
-                false => Tensor::zeros([len.int64_value(&[0])], (Kind::Uint8, tch::Device::Cpu)),
+                false => Tensor::zeros([len.int64_value(&[0])], (Kind::Uint8, Device::Cpu)),
             };
             if bytes.numel() > 0 {
-                self.broadcast(&mut bytes, root)?;
+                bytes = self.broadcast_from(&bytes, root)?;
             }
             let text = String::from_utf8(Vec::<u8>::try_from(&bytes)?)?;
             union.extend(
@@ -293,6 +366,49 @@ impl ProcessGroup {
         }
         Ok(union)
     }
+}
+
+/// An NCCL group's handle (null with `error` set on failure), or an error when this build has no
+/// NCCL.
+#[cfg(headway_nccl)]
+fn new_nccl(
+    host: &CStr,
+    port: u16,
+    rank: c_int,
+    world: c_int,
+    timeout_ms: i64,
+    device: usize,
+    error: &mut *mut c_char,
+) -> anyhow::Result<*mut c_void> {
+    // SAFETY: as for Gloo in `ProcessGroup::join`.
+    Ok(unsafe {
+        headway_dist_new_nccl(
+            host.as_ptr(),
+            port,
+            rank,
+            world,
+            timeout_ms,
+            device as c_int,
+            error,
+        )
+    })
+}
+
+#[cfg(not(headway_nccl))]
+fn new_nccl(
+    _host: &CStr,
+    _port: u16,
+    _rank: c_int,
+    _world: c_int,
+    _timeout_ms: i64,
+    _device: usize,
+    _error: &mut *mut c_char,
+) -> anyhow::Result<*mut c_void> {
+    anyhow::bail!(
+        "this headway-train was built without the NCCL process group (a CPU-only libtorch, or \
+         CUDA's headers were not found at build time: `make venv` installs them); use \
+         --dist-backend gloo"
+    )
 }
 
 impl Drop for ProcessGroup {

@@ -353,7 +353,7 @@ fn train(
     hooks: &Hooks,
 ) -> anyhow::Result<()> {
     let device = setup.target.device;
-    let group = args.distributed.join()?;
+    let group = args.distributed.join(device)?;
     let trainer = Trainer {
         features: &setup.features,
         settings: settings(args, &setup.features, device)?,
