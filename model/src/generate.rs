@@ -48,13 +48,7 @@ pub fn generate(
     check_request(target, prompt_ids.len(), max_new_tokens)?;
     let _no_grad = tch::no_grad_guard();
     let start = Instant::now();
-    let mut cache = KvCache::new(
-        target.model.config(),
-        1,
-        prompt_ids.len() + max_new_tokens,
-        target.kind,
-        target.device,
-    )?;
+    let mut cache = target.new_cache(1, prompt_ids.len() + max_new_tokens)?;
     let mut stream = target.tokenizer.stream(true);
     let (mut tokens, mut text) = (Vec::new(), String::new());
     let mut prefill_seconds = 0.0;
@@ -201,8 +195,7 @@ fn prefill_each(
     let mut caches = Vec::with_capacity(prompts.len());
     let mut logits = Vec::with_capacity(prompts.len());
     for prompt in prompts {
-        let config = target.model.config();
-        let mut cache = KvCache::new(config, 1, prompt.len(), target.kind, target.device)?;
+        let mut cache = target.new_cache(1, prompt.len())?;
         logits.push(next_logits(target, prompt, &mut cache, cpu)?);
         caches.push(cache);
     }

@@ -10,6 +10,33 @@ use tch::{Device, Kind, Tensor};
 use crate::config::ModelConfig;
 use crate::{ModelError, Result};
 
+/// An index tensor on each device the layers use, made once per device.
+struct LayerIndex {
+    values: Vec<i64>,
+    on_devices: Vec<(Device, Tensor)>,
+}
+
+impl LayerIndex {
+    fn new(values: &[usize]) -> Self {
+        Self {
+            values: values.iter().map(|&v| v as i64).collect(),
+            on_devices: Vec::new(),
+        }
+    }
+
+    fn on(&mut self, device: Device) -> &Tensor {
+        let at = match self.on_devices.iter().position(|(d, _)| *d == device) {
+            Some(at) => at,
+            None => {
+                let index = Tensor::from_slice(&self.values).to_device(device);
+                self.on_devices.push((device, index));
+                self.on_devices.len() - 1
+            }
+        };
+        &self.on_devices[at].1
+    }
+}
+
 /// Key/value tensors of every layer for one batch of equally long sequences.
 pub struct KvCache {
     keys: Vec<Tensor>,
@@ -27,19 +54,34 @@ impl KvCache {
         kind: Kind,
         device: Device,
     ) -> Result<Self> {
+        Self::placed(config, batch, capacity, kind, &[device])
+    }
+
+    /// [`Self::new`] with layer `i`'s keys and values on `devices[i]` (a target spread over
+    /// devices); one device: all layers on it.
+    pub fn placed(
+        config: &ModelConfig,
+        batch: usize,
+        capacity: usize,
+        kind: Kind,
+        devices: &[Device],
+    ) -> Result<Self> {
+        let layers = config.num_hidden_layers;
+        if devices.len() != 1 && devices.len() != layers {
+            return Err(ModelError::Input(format!(
+                "a KV cache of {layers} layers placed on {} devices",
+                devices.len()
+            )));
+        }
         let shape = [
             batch as i64,
             config.num_key_value_heads as i64,
             capacity as i64,
             config.head_dim as i64,
         ];
-        let alloc = || Tensor::f_zeros(shape, (kind, device));
-        let keys = (0..config.num_hidden_layers)
-            .map(|_| alloc())
-            .collect::<Result<Vec<_>, _>>()?;
-        let values = (0..config.num_hidden_layers)
-            .map(|_| alloc())
-            .collect::<Result<Vec<_>, _>>()?;
+        let alloc = |layer: usize| Tensor::f_zeros(shape, (kind, devices[layer % devices.len()]));
+        let keys = (0..layers).map(alloc).collect::<Result<Vec<_>, _>>()?;
+        let values = (0..layers).map(alloc).collect::<Result<Vec<_>, _>>()?;
         Ok(Self {
             keys,
             values,
@@ -89,13 +131,11 @@ impl KvCache {
         }
         let contiguous = keep.iter().enumerate().all(|(i, &p)| p == start + i);
         if !contiguous {
-            let device = self.keys.first().map_or(Device::Cpu, Tensor::device);
-            let index: Vec<i64> = keep.iter().map(|&p| p as i64).collect();
-            let index = Tensor::from_slice(&index).to_device(device);
+            let mut index = LayerIndex::new(keep);
             for cache in self.keys.iter_mut().chain(self.values.iter_mut()) {
                 // index_select materialises the rows before the copy, so source and destination
                 // may overlap.
-                let rows = cache.index_select(2, &index);
+                let rows = cache.index_select(2, index.on(cache.device()));
                 cache
                     .narrow(2, start as i64, keep.len() as i64)
                     .copy_(&rows);
@@ -170,11 +210,9 @@ impl KvCache {
                 "cannot keep sequences {rows:?} of a cache of {batch}"
             )));
         }
-        let device = self.keys[0].device();
-        let index: Vec<i64> = rows.iter().map(|&r| r as i64).collect();
-        let index = Tensor::from_slice(&index).to_device(device);
+        let mut index = LayerIndex::new(rows);
         for cache in self.keys.iter_mut().chain(self.values.iter_mut()) {
-            *cache = cache.index_select(0, &index);
+            *cache = cache.index_select(0, index.on(cache.device()));
         }
         Ok(())
     }

@@ -5,7 +5,7 @@
 //! (one GEMV instead of three or two, and rotary embedding applied to q and k in one op), built by
 //! concatenating the HF tensors at load time.
 
-use tch::{Kind, Tensor};
+use tch::{Device, Kind, Tensor};
 
 use crate::config::ModelConfig;
 use crate::cpu::CpuPolicy;
@@ -13,7 +13,7 @@ use crate::kv_cache::KvCache;
 use crate::linear::{Linear, Matrix};
 use crate::mask::TreeInput;
 use crate::row_attention::{self, KeyMask};
-use crate::weights::{ShapeRecorder, WeightSource};
+use crate::weights::{OnDevice, ShapeRecorder, WeightSource};
 use crate::{ModelError, Result};
 
 mod rows;
@@ -137,6 +137,10 @@ struct Attention {
 }
 
 impl Attention {
+    fn device(&self) -> Device {
+        self.qkv_proj.matrix().device()
+    }
+
     /// Loads the projections under `prefix`; q, k and v read `in_features` features.
     fn load(
         source: &mut dyn WeightSource,
@@ -455,12 +459,19 @@ impl DecoderLayer {
             c.check_room(new, layers.len())?;
         }
         let implicit = attention_mask(past, new, mask, x.device());
+        let mask = mask.or(implicit.mask.as_ref());
+        let mut masks = mask.map(|m| OnDevices::new(m.shallow_clone()));
         let mut x = x.shallow_clone();
         for (index, layer) in layers.iter().enumerate() {
+            // A target spread over devices: the stream follows its layers.
+            let device = layer.device();
+            if x.device() != device {
+                x = x.to_device(device);
+            }
             let mut ctx = LayerContext {
                 layer: index,
                 cache: cache.as_deref_mut(),
-                mask: mask.or(implicit.mask.as_ref()),
+                mask: masks.as_mut().map(|m| m.on(device)),
                 is_causal: implicit.is_causal,
                 cpu,
             };
@@ -470,6 +481,11 @@ impl DecoderLayer {
             c.advance(new);
         }
         Ok(x)
+    }
+
+    /// Where the layer's weights are.
+    pub fn device(&self) -> Device {
+        self.self_attn.device()
     }
 
     /// The layer on [`Self::forward_rows`] where it runs, else on libtorch's ops.
@@ -541,13 +557,35 @@ pub struct Llama {
 impl Llama {
     /// Builds the trunk from `source`, reading HF names under `model.`.
     pub fn load(config: &ModelConfig, source: &mut dyn WeightSource) -> Result<Self> {
+        Self::load_placed(config, source, &[])
+    }
+
+    /// [`Self::load`] with layer `i` on `placement[i]` (empty: every layer on `source`'s device,
+    /// which holds the embeddings and the final norm in any case).
+    pub fn load_placed(
+        config: &ModelConfig,
+        source: &mut dyn WeightSource,
+        placement: &[Device],
+    ) -> Result<Self> {
         let c = config;
         let embed_tokens = source.matrix(
             "model.embed_tokens.weight",
             &[c.vocab_size as i64, c.hidden_size as i64],
         )?;
         let layers = (0..c.num_hidden_layers)
-            .map(|i| DecoderLayer::load(source, &format!("model.layers.{i}"), c))
+            .map(|i| {
+                let prefix = format!("model.layers.{i}");
+                match placement.get(i) {
+                    Some(&device) => {
+                        let mut placed = OnDevice {
+                            source: &mut *source,
+                            device,
+                        };
+                        DecoderLayer::load(&mut placed, &prefix, c)
+                    }
+                    None => DecoderLayer::load(source, &prefix, c),
+                }
+            })
             .collect::<Result<Vec<_>>>()?;
         let norm = RmsNorm::load(source, "model.norm.weight", c.hidden_size, c.rms_norm_eps)?;
         Ok(Self {
@@ -561,6 +599,11 @@ impl Llama {
 
     pub fn config(&self) -> &ModelConfig {
         &self.config
+    }
+
+    /// The device of each layer (they differ when the target is spread over several).
+    pub fn layer_devices(&self) -> Vec<Device> {
+        self.layers.iter().map(DecoderLayer::device).collect()
     }
 
     /// The token embedding matrix `[vocab, hidden]` as a tensor (for draft heads; dequantised
@@ -591,6 +634,7 @@ impl Llama {
             .rows(input.input_ids)
             .to_kind(self.norm.weight.kind());
         let rope = self.rotary.cos_sin(input.positions, x.kind());
+        let mut ropes = OnDevices::new(rope);
         let mut taps: Vec<Option<Tensor>> = input.taps.iter().map(|_| None).collect();
         let x = DecoderLayer::run_stack(
             &self.layers,
@@ -600,12 +644,19 @@ impl Llama {
             input.cpu,
             |index, layer, x, ctx| {
                 record_tap(&mut taps, input.taps, index, x);
-                layer.forward(x, &rope, ctx)
+                layer.forward(x, ropes.on(x.device()), ctx)
             },
         )?;
+        // Layers spread over devices leave the stream on the last: back to the first, where the
+        // final norm and the LM head are.
+        let home = self.norm.weight.device();
+        let to_home = |t: Tensor| match t.device() == home {
+            true => t,
+            false => t.to_device(home),
+        };
         Ok(ForwardOutput {
-            hidden: self.norm.forward(&x),
-            taps: taps.into_iter().flatten().collect(),
+            hidden: self.norm.forward(&to_home(x)),
+            taps: taps.into_iter().flatten().map(to_home).collect(),
         })
     }
 
@@ -656,6 +707,62 @@ impl Llama {
             )));
         }
         Ok(())
+    }
+}
+
+/// What can be copied to another device: a tensor, or the rotary tables.
+trait Movable: Sized {
+    fn device(&self) -> Device;
+    fn moved_to(&self, device: Device) -> Self;
+}
+
+impl Movable for Tensor {
+    fn device(&self) -> Device {
+        Tensor::device(self)
+    }
+
+    fn moved_to(&self, device: Device) -> Self {
+        self.to_device(device)
+    }
+}
+
+impl Movable for (Tensor, Tensor) {
+    fn device(&self) -> Device {
+        self.0.device()
+    }
+
+    fn moved_to(&self, device: Device) -> Self {
+        (self.0.to_device(device), self.1.to_device(device))
+    }
+}
+
+/// A value and its copies on other devices, each made once: the rotary tables and the mask of a
+/// forward whose layers are spread over devices.
+struct OnDevices<T> {
+    home: T,
+    copies: Vec<(Device, T)>,
+}
+
+impl<T: Movable> OnDevices<T> {
+    fn new(home: T) -> Self {
+        Self {
+            home,
+            copies: Vec::new(),
+        }
+    }
+
+    fn on(&mut self, device: Device) -> &T {
+        if self.home.device() == device {
+            return &self.home;
+        }
+        let at = match self.copies.iter().position(|(d, _)| *d == device) {
+            Some(at) => at,
+            None => {
+                self.copies.push((device, self.home.moved_to(device)));
+                self.copies.len() - 1
+            }
+        };
+        &self.copies[at].1
     }
 }
 
@@ -734,7 +841,17 @@ pub struct CausalLm {
 
 impl CausalLm {
     pub fn load(config: &ModelConfig, source: &mut dyn WeightSource) -> Result<Self> {
-        let model = Llama::load(config, source)?;
+        Self::load_placed(config, source, &[])
+    }
+
+    /// [`Self::load`] with the layers placed as [`Llama::load_placed`] places them (the LM head
+    /// on `source`'s device, beside the embeddings it may share).
+    pub fn load_placed(
+        config: &ModelConfig,
+        source: &mut dyn WeightSource,
+        placement: &[Device],
+    ) -> Result<Self> {
+        let model = Llama::load_placed(config, source, placement)?;
         let lm_head = LmHead::load(config, &model, source)?;
         Ok(Self { model, lm_head })
     }

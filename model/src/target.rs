@@ -9,6 +9,7 @@ use crate::chat::{ChatTemplate, Message};
 use crate::config::ModelConfig;
 use crate::cpu::CpuThreads;
 use crate::dtype::Dtype;
+use crate::kv_cache::KvCache;
 use crate::llama::CausalLm;
 use crate::tokenizer::TextTokenizer;
 use crate::weights::{SafetensorsWeights, WeightSource};
@@ -56,6 +57,33 @@ pub fn parse_device(text: &str) -> Result<Device> {
     Ok(device)
 }
 
+/// Parses `--device`: one device ([`parse_device`]), or a comma-separated list of CUDA devices
+/// (`cuda:0,cuda:1`) — or of `cpu` entries, the same code path on one machine — over which the
+/// target's layers are spread ([`layer_placement`]).
+pub fn parse_devices(text: &str) -> Result<Vec<Device>> {
+    let devices = text
+        .split(',')
+        .map(|d| parse_device(d.trim()))
+        .collect::<Result<Vec<_>>>()?;
+    if devices.iter().any(|d| d.is_cuda() != devices[0].is_cuda()) {
+        return Err(ModelError::Input(format!(
+            "--device {text}: place layers over CUDA devices or over the CPU, not both"
+        )));
+    }
+    Ok(devices)
+}
+
+/// The device of each of `layers` layers spread over `devices` in contiguous, near-equal runs
+/// (as accelerate's balanced device maps place them); empty for one device (no placement).
+pub fn layer_placement(devices: &[Device], layers: usize) -> Vec<Device> {
+    if devices.len() <= 1 {
+        return Vec::new();
+    }
+    (0..layers)
+        .map(|i| devices[i * devices.len() / layers])
+        .collect()
+}
+
 /// Options that choose and place the target model.
 #[derive(Debug, Clone, clap::Args)]
 pub struct TargetArgs {
@@ -65,7 +93,9 @@ pub struct TargetArgs {
     /// $HEADWAY_HOME/models (made by `make model`).
     #[arg(long, env = "HEADWAY_TARGET")]
     pub target: Option<PathBuf>,
-    /// Where to run: cpu, cuda or cuda:N.
+    /// Where to run: cpu, cuda or cuda:N; or a list, cuda:0,cuda:1,…, to spread the layers over
+    /// several GPUs (a target larger than one): embeddings, final norm and LM head stay on the
+    /// first, hidden states move from device to device between layers.
     #[arg(long, default_value = "cpu")]
     pub device: String,
     /// Weight and activation dtype.
@@ -138,11 +168,22 @@ impl Target {
     /// Loads the HF directory `dir` with weights in `kind` on `device`, running CPU work on `cpu`;
     /// activations run in [`activation_kind`].
     pub fn load(dir: &Path, kind: Kind, device: Device, cpu: CpuThreads) -> Result<Self> {
+        Self::load_placed(dir, kind, &[device], cpu)
+    }
+
+    /// [`Self::load`] with the layers spread over `devices` ([`layer_placement`]); the rest on
+    /// the first.
+    pub fn load_placed(
+        dir: &Path,
+        kind: Kind,
+        devices: &[Device],
+        cpu: CpuThreads,
+    ) -> Result<Self> {
         let parts = TargetParts::from_dir(dir)?;
-        let activations = activation_kind(kind, device);
+        let activations = activation_kind(kind, devices[0]);
         let mut weights =
-            SafetensorsWeights::open(dir, activations, device)?.with_matrix_kind(kind);
-        let target = Self::from_parts(parts, &mut weights, activations, device, cpu)?;
+            SafetensorsWeights::open(dir, activations, devices[0])?.with_matrix_kind(kind);
+        let target = Self::from_parts_placed(parts, &mut weights, activations, devices, cpu)?;
         Ok(Self {
             weight_kind: kind,
             ..target
@@ -157,7 +198,21 @@ impl Target {
         device: Device,
         cpu: CpuThreads,
     ) -> Result<Self> {
-        let model = tch::no_grad(|| CausalLm::load(&parts.config, weights))?;
+        Self::from_parts_placed(parts, weights, kind, &[device], cpu)
+    }
+
+    /// [`Self::from_parts`] with the layers spread over `devices`; `weights` hands out tensors on
+    /// the first, which holds everything but the layers.
+    pub fn from_parts_placed(
+        parts: TargetParts,
+        weights: &mut dyn WeightSource,
+        kind: Kind,
+        devices: &[Device],
+        cpu: CpuThreads,
+    ) -> Result<Self> {
+        let placement = layer_placement(devices, parts.config.num_hidden_layers);
+        let model = tch::no_grad(|| CausalLm::load_placed(&parts.config, weights, &placement))?;
+        let device = devices[0];
         let stop_ids = stop_ids(&parts.config, &parts.tokenizer);
         Ok(Self {
             path: parts.path,
@@ -170,6 +225,13 @@ impl Target {
             device,
             cpu,
         })
+    }
+
+    /// An empty KV cache for `batch` sequences of up to `capacity` positions, each layer's on
+    /// that layer's device.
+    pub fn new_cache(&self, batch: usize, capacity: usize) -> Result<KvCache> {
+        let devices = self.model.model.layer_devices();
+        KvCache::placed(self.model.config(), batch, capacity, self.kind, &devices)
     }
 
     /// Prompt text for `messages` (chat template with the generation prompt), or an error naming
@@ -215,4 +277,32 @@ fn stop_ids(config: &ModelConfig, tokenizer: &TextTokenizer) -> Vec<u32> {
         }
     }
     ids
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn layers_spread_in_contiguous_near_equal_runs() {
+        let gpus: Vec<Device> = (0..4).map(Device::Cuda).collect();
+        let placement = layer_placement(&gpus, 30);
+        let count = |d: Device| placement.iter().filter(|&&p| p == d).count();
+        assert_eq!(
+            gpus.iter().map(|&d| count(d)).collect::<Vec<_>>(),
+            [8, 7, 8, 7]
+        );
+        assert!(placement.windows(2).all(|w| w[0] == w[1]
+            || w[1]
+                == Device::Cuda(match w[0] {
+                    Device::Cuda(i) => i + 1,
+                    _ => unreachable!(),
+                })));
+        assert!(layer_placement(&[Device::Cpu], 30).is_empty());
+        assert_eq!(
+            parse_devices("cpu, cpu").unwrap(),
+            [Device::Cpu, Device::Cpu]
+        );
+        assert!(parse_devices("cpu,gpu").is_err());
+    }
 }

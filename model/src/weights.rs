@@ -206,6 +206,30 @@ impl WeightSource for SafetensorsWeights {
     }
 }
 
+/// `source` with every tensor moved to `device`: a layer of a target spread over devices. The
+/// source reads each tensor where it reads everything (the first device), one at a time.
+pub(crate) struct OnDevice<'a> {
+    pub source: &'a mut dyn WeightSource,
+    pub device: Device,
+}
+
+impl WeightSource for OnDevice<'_> {
+    fn tensor(&mut self, name: &str, shape: &[i64]) -> Result<Tensor> {
+        Ok(self.source.tensor(name, shape)?.f_to_device(self.device)?)
+    }
+
+    fn matrix(&mut self, name: &str, shape: &[i64]) -> Result<Matrix> {
+        match self.source.matrix(name, shape)? {
+            Matrix::Dense(tensor) => Ok(Matrix::Dense(tensor.f_to_device(self.device)?)),
+            quantised if self.device == Device::Cpu => Ok(quantised),
+            _ => Err(ModelError::Input(format!(
+                "{name}: quantised weights run on the CPU only, not on {:?}",
+                self.device
+            ))),
+        }
+    }
+}
+
 /// Deterministic random weights for tests: the values depend only on the seed and the tensor's
 /// name, so two models built with the same seed are identical whatever order layers load in.
 pub struct RandomWeights {

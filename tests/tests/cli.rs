@@ -409,3 +409,73 @@ fn convert_names_a_missing_or_corrupt_gguf() {
         "nothing is written for a bad file"
     );
 }
+
+/// `--device cpu,cpu` spreads the layers over two devices through the code that spreads them over
+/// GPUs (`cuda:0,cuda:1`); the hidden states move between them, and nothing else changes.
+#[test]
+fn a_target_spread_over_devices_decodes_as_on_one() {
+    let dir = tempfile::tempdir().unwrap();
+    write_tiny_model(dir.path(), 3).unwrap();
+    let target = dir.path().to_str().unwrap();
+    let generate = |device: &str| {
+        let args = [
+            "generate",
+            "--target",
+            target,
+            "--prompt",
+            "the theory",
+            "--chat",
+        ];
+        let out = run(
+            "headway-serve",
+            &[&args[..], &["--max-new-tokens", "24", "--device", device]].concat(),
+        );
+        assert!(out.status.success(), "{}", stderr(&out));
+        stdout(&out)
+    };
+    assert_eq!(generate("cpu,cpu"), generate("cpu"));
+
+    // Speculative decoding on the spread target: tree verification and cache compaction.
+    let questions = dir.path().join("q.jsonl");
+    let rows: Vec<String> = (0..3)
+        .map(|i| {
+            format!(
+                r#"{{"question_id": {i}, "category": "c{i}", "turns": ["the the the theory {i}"]}}"#
+            )
+        })
+        .collect();
+    std::fs::write(&questions, rows.join("\n")).unwrap();
+    let json = dir.path().join("lookup.json");
+    let out = run(
+        "headway-serve",
+        &[
+            "bench",
+            "--target",
+            target,
+            "--device",
+            "cpu,cpu,cpu",
+            "--method",
+            "lookup",
+            "--questions",
+            questions.to_str().unwrap(),
+            "--limit",
+            "3",
+            "--max-new-tokens",
+            "24",
+            "--json",
+            json.to_str().unwrap(),
+        ],
+    );
+    assert!(out.status.success(), "{}", stderr(&out));
+    let report: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
+    assert_eq!(report["identical_to_ar"], 3, "{report}");
+
+    let mixed = run(
+        "headway-serve",
+        &[
+            "generate", "--target", target, "--prompt", "x", "--device", "cpu,cuda",
+        ],
+    );
+    assert!(!mixed.status.success() && stderr(&mixed).contains("cuda"));
+}

@@ -274,3 +274,19 @@ fn a_layer_named_twice_is_refused_before_anything_is_written() {
     );
     assert!(!out.exists(), "refused, yet {} was made", out.display());
 }
+
+/// Features from a target spread over two devices (`--device cpu,cpu`, the code path of
+/// `cuda:0,cuda:1`) are the single device's, byte for byte.
+#[test]
+fn features_from_a_target_spread_over_devices_are_the_same() {
+    let dir = tempfile::tempdir().unwrap();
+    let root = dir.path();
+    write_tiny_model(&root.join("target"), 3).unwrap();
+    write_corpus(&root.join("chats.jsonl"));
+    let (one, two) = (root.join("one"), root.join("two"));
+    let single = prepare_with(root, &one, &["--device", "cpu"], None);
+    assert!(single.status.success(), "{}", stderr(&single));
+    let spread = prepare_with(root, &two, &["--device", "cpu,cpu"], None);
+    assert!(spread.status.success(), "{}", stderr(&spread));
+    assert!(shard_files(&one) == shard_files(&two), "the shards differ");
+}

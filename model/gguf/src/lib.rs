@@ -27,7 +27,7 @@ use std::path::{Path, PathBuf};
 
 use serde::Serialize;
 
-pub use native::{load_target, open_target, target_parts};
+pub use native::{load_target, open_target, open_target_placed, target_parts};
 
 use file::GgufFile;
 use headway_model::files::{write_atomically, write_bytes_atomically};

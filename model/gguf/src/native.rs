@@ -15,7 +15,7 @@ use tch::{Device, Kind, Tensor};
 use headway_model::config::HfConfig;
 use headway_model::linear::Matrix;
 use headway_model::quant_gguf::GgufBlocks;
-use headway_model::target::{parse_device, TargetParts};
+use headway_model::target::{parse_devices, TargetParts};
 use headway_model::{
     ChatTemplate, CpuThreads, Dtype, ModelError, Result, Target, TargetArgs, TextTokenizer,
     WeightSource,
@@ -29,20 +29,31 @@ use crate::tokenizer;
 /// Loads the target `--target` names (a model directory or a GGUF file) on `--device` in
 /// `--dtype`, on `--threads` CPU threads: the one way the binaries open a target.
 pub fn load_target(args: &TargetArgs) -> Result<Target> {
-    let device = parse_device(&args.device)?;
-    open_target(
+    let devices = parse_devices(&args.device)?;
+    open_target_placed(
         &args.path(),
         args.dtype.kind(),
-        device,
+        &devices,
         CpuThreads::new(args.threads),
     )
 }
 
 /// Opens `path`: a GGUF file natively, anything else as an HF model directory.
 pub fn open_target(path: &Path, kind: Kind, device: Device, cpu: CpuThreads) -> Result<Target> {
+    open_target_placed(path, kind, &[device], cpu)
+}
+
+/// [`open_target`] with the layers spread over `devices` (the rest on the first).
+pub fn open_target_placed(
+    path: &Path,
+    kind: Kind,
+    devices: &[Device],
+    cpu: CpuThreads,
+) -> Result<Target> {
     if !path.is_file() {
-        return Target::load(path, kind, device, cpu);
+        return Target::load_placed(path, kind, devices, cpu);
     }
+    let device = devices[0];
     let dtype = Dtype::of_kind(kind).ok_or_else(|| ModelError::Config {
         path: path.to_path_buf(),
         message: format!("cannot run a target in {kind:?}"),
@@ -56,7 +67,7 @@ pub fn open_target(path: &Path, kind: Kind, device: Device, cpu: CpuThreads) -> 
         device,
         native: device == Device::Cpu && kind == Kind::Float,
     };
-    Target::from_parts(parts, &mut weights, kind, device, cpu)
+    Target::from_parts_placed(parts, &mut weights, kind, devices, cpu)
 }
 
 /// The configuration, tokenizer and chat template of a target (a model directory or a GGUF

@@ -45,10 +45,9 @@ impl LatencyProfile {
     /// size in [`TREE_SIZES`] (+1 for the root, tree-masked) after a `prefix`-token prompt.
     pub fn measure(target: &Target, prefix: usize, reps: usize) -> Result<Self> {
         let _no_grad = tch::no_grad_guard();
-        let config = target.model.config();
         let cpu = target.cpu.decode();
         let largest = TREE_SIZES[TREE_SIZES.len() - 1] + 1;
-        let mut cache = KvCache::new(config, 1, prefix + largest, target.kind, target.device)?;
+        let mut cache = target.new_cache(1, prefix + largest)?;
         let tokens = |n: usize| -> Vec<u32> { (0..n).map(|i| (100 + i % 1000) as u32).collect() };
         let forward = |cache: &mut KvCache, input: &TreeInput| -> Result<f64> {
             let start = Instant::now();

@@ -71,13 +71,7 @@ impl<'t> Session<'t> {
     ) -> Result<Self> {
         check_request(target, prompt_ids.len(), room)?;
         let capacity = prompt_ids.len() + room + drafter.max_tree_tokens() + 1;
-        let cache = KvCache::new(
-            target.model.config(),
-            1,
-            capacity,
-            target.kind,
-            target.device,
-        )?;
+        let cache = target.new_cache(1, capacity)?;
         let mut session = Self {
             target,
             cache,
