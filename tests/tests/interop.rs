@@ -559,6 +559,26 @@ fn prepare_from_turns_specforges_offline_capture_into_the_same_features() {
         "resumed shards differ"
     );
 
+    // Two slices of the import (two machines sharing a capture) merge into the single import.
+    let mut slices = Vec::new();
+    for i in 0..2 {
+        let slice = root.join(format!("slice-{i}"));
+        let shard = format!("{i}/2");
+        let extra = ["--layers", "0,1", "--dtype", "f32", "--shard", &shard];
+        let output = prepare_from(root, &capture, &slice, &extra);
+        assert!(output.status.success(), "{}", stderr(&output));
+        slices.push(slice.to_str().unwrap().to_string());
+    }
+    let merged = root.join("merged");
+    let mut args = vec!["merge-features", "--out", merged.to_str().unwrap()];
+    args.extend(slices.iter().map(String::as_str));
+    let output = headway_tests::headway_train(&args);
+    assert!(output.status.success(), "{}", stderr(&output));
+    assert!(
+        shard_files(&merged) == shard_files(&imported),
+        "merged slices differ"
+    );
+
     // bf16 gzip capture, default bf16 features: exactly the f32 capture's values rounded.
     let compressed = root.join("capture-gz");
     specforge_capture(
