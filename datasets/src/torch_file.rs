@@ -8,7 +8,7 @@ use std::path::{Path, PathBuf};
 
 use candle_core::pickle::PthTensors;
 use candle_core::DType;
-use tch::Tensor;
+use tch::{Kind, Tensor};
 
 use crate::error::{DatasetError, Result};
 
@@ -60,8 +60,8 @@ impl TorchFile {
         names
     }
 
-    /// Tensor `name` on the CPU (i64 and u8 as stored, floating point as f32); `None` when the
-    /// file has no such tensor.
+    /// Tensor `name` on the CPU in its stored dtype (f64 as f32); `None` when the file has no
+    /// such tensor.
     pub fn get(&self, name: &str) -> Result<Option<Tensor>> {
         let read_error =
             |e: candle_core::Error| DatasetError::format(&self.path, format!("tensor {name}: {e}"));
@@ -70,9 +70,25 @@ impl TorchFile {
         };
         let shape: Vec<i64> = stored.dims().iter().map(|&d| d as i64).collect();
         let flat = stored.flatten_all().map_err(read_error)?;
+        // 16-bit floats travel as their bits: captured hidden states are mostly bf16, and
+        // widening them on the way would double what is copied.
+        let from_bits = |bits: Vec<u16>, kind: Kind| {
+            let bytes: Vec<u8> = bits.iter().flat_map(|b| b.to_le_bytes()).collect();
+            Tensor::from_data_size(&bytes, &shape, kind)
+        };
         let tensor = match stored.dtype() {
             DType::I64 => Tensor::from_slice(&flat.to_vec1::<i64>().map_err(read_error)?),
             DType::U8 => Tensor::from_slice(&flat.to_vec1::<u8>().map_err(read_error)?),
+            DType::BF16 => {
+                let values = flat.to_vec1::<half::bf16>().map_err(read_error)?;
+                let bits = values.iter().map(|v| v.to_bits()).collect();
+                return Ok(Some(from_bits(bits, Kind::BFloat16)));
+            }
+            DType::F16 => {
+                let values = flat.to_vec1::<half::f16>().map_err(read_error)?;
+                let bits = values.iter().map(|v| v.to_bits()).collect();
+                return Ok(Some(from_bits(bits, Kind::Half)));
+            }
             _ => {
                 let values = flat.to_dtype(DType::F32).map_err(read_error)?;
                 Tensor::from_slice(&values.to_vec1::<f32>().map_err(read_error)?)
@@ -81,12 +97,16 @@ impl TorchFile {
         Ok(Some(tensor.view(shape.as_slice())))
     }
 
-    /// Every tensor, by name.
-    pub fn read_all(&self) -> Result<BTreeMap<String, Tensor>> {
+    /// Every tensor, by name, floating point as f32 (a state dict for f32 modules).
+    pub fn read_all_f32(&self) -> Result<BTreeMap<String, Tensor>> {
         self.names()
             .into_iter()
             .map(|name| {
                 let tensor = self.get(name)?.expect("listed by the archive");
+                let tensor = match tensor.is_floating_point() {
+                    true => tensor.to_kind(Kind::Float),
+                    false => tensor,
+                };
                 Ok((name.to_string(), tensor))
             })
             .collect()

@@ -437,7 +437,7 @@ fn read_head_tensors(dir: &Path) -> anyhow::Result<BTreeMap<String, Tensor>> {
 
 /// The tensors of a `torch.save`d state dict, as f32 or i64 tch tensors.
 fn read_pickle(path: &Path) -> anyhow::Result<BTreeMap<String, Tensor>> {
-    Ok(TorchFile::open(path)?.read_all()?)
+    Ok(TorchFile::open(path)?.read_all_f32()?)
 }
 
 /// Medusa heads under Headway's names (the Medusa repository's): from `medusa_lm_head.pt` (the
