@@ -108,20 +108,37 @@ pub struct ExtractionSettings {
 }
 
 impl ExtractionSettings {
-    /// An error when a tap is asked for twice (each is stored once, as `tap_<k>`).
-    pub(crate) fn check_taps_once(&self) -> Result<()> {
-        match self
-            .taps
+    /// What every run checks of these options for a target of `layers` layers; `taps_from`
+    /// names where the taps came from in an error (`--layers`, or a default).
+    pub(crate) fn check(&self, layers: usize, taps_from: &str) -> Result<()> {
+        let invalid = |m: String| Err(DatasetError::Argument(m));
+        if self.max_len == 0 || self.shard_tokens == 0 {
+            return invalid("--max-len and --shard-tokens must be at least 1".into());
+        }
+        if !(0.0..=1.0).contains(&self.held_out_fraction) {
+            return invalid(format!(
+                "held-out fraction {} is not in [0, 1]",
+                self.held_out_fraction
+            ));
+        }
+        let taps = &self.taps;
+        if let Some((_, tap)) = taps
             .iter()
             .enumerate()
-            .find(|&(i, t)| self.taps[..i].contains(t))
+            .find(|&(i, t)| taps[..i].contains(t))
         {
-            Some((_, tap)) => Err(DatasetError::Argument(format!(
+            return invalid(format!(
                 "--layers names tap {tap} twice; each layer is stored once (a head that reads a \
                  layer twice takes it twice with its own --taps)"
-            ))),
-            None => Ok(()),
+            ));
         }
+        if let Some(&tap) = taps.iter().find(|&&t| t >= layers) {
+            return invalid(format!(
+                "{taps_from} {tap}: the target has {layers} layers, so taps run from 0 to {}",
+                layers.saturating_sub(1)
+            ));
+        }
+        Ok(())
     }
 }
 

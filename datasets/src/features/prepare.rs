@@ -308,18 +308,11 @@ impl StateSource for TargetStates<'_> {
 }
 
 fn check_options(target: &Target, options: &PrepareOptions) -> Result<()> {
-    let layers = target.model.config().num_hidden_layers;
     let invalid = |m: String| Err(DatasetError::Argument(m));
     let o = &options.settings;
-    if o.max_len == 0 || o.shard_tokens == 0 || o.batch_tokens == 0 {
-        return invalid("--max-len, --shard-tokens and --batch-tokens must be at least 1".into());
-    }
-    o.check_taps_once()?;
-    if let Some(&tap) = o.taps.iter().find(|&&t| t >= layers) {
-        return invalid(format!(
-            "--layers {tap}: the target has {layers} layers, so taps run from 0 to {}",
-            layers - 1
-        ));
+    o.check(target.model.config().num_hidden_layers, "--layers")?;
+    if o.batch_tokens == 0 {
+        return invalid("--batch-tokens must be at least 1".into());
     }
     if o.regenerate
         .is_some_and(|r| r.batch == 0 || r.max_turns == Some(0))
@@ -334,12 +327,6 @@ fn check_options(target: &Target, options: &PrepareOptions) -> Result<()> {
              regenerate in one run, or split the corpus into files and prepare each"
                 .into(),
         );
-    }
-    if !(0.0..=1.0).contains(&o.held_out_fraction) {
-        return invalid(format!(
-            "held-out fraction {} is not in [0, 1]",
-            o.held_out_fraction
-        ));
     }
     Ok(())
 }

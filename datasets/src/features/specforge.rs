@@ -83,11 +83,13 @@ pub fn import_specforge(
     observer: &mut dyn PrepareObserver,
 ) -> Result<PrepareSummary> {
     let start = Instant::now();
-    check_options(options)?;
+    if options.settings.regenerate.is_some() {
+        return Err(DatasetError::Argument(
+            "--from imports captured states: --regenerate does not apply".into(),
+        ));
+    }
     let files = list_files(&options.from)?;
-    options.settings.check_taps_once()?;
     let taps = resolve_taps(&files[0], options)?;
-    check_taps(target, &taps, options.settings.taps.is_empty())?;
     let settings = Settings {
         target: target.clone(),
         corpus: corpus_info(&options.from, &files),
@@ -98,6 +100,13 @@ pub fn import_specforge(
         },
         device_type: SPECFORGE_FORMAT.to_string(),
     };
+    let taps_from = match options.settings.taps.is_empty() {
+        true => "SpecForge's default capture layers give tap",
+        false => "--layers",
+    };
+    settings
+        .extraction
+        .check(target.num_hidden_layers, taps_from)?;
     let previous = open_output(&options.out, &settings, options.slice, observer)?;
     let used = &files[..files
         .len()
@@ -124,42 +133,6 @@ pub fn import_specforge(
         command: options.command.clone(),
     };
     run.extract(&mut source, observer, start)
-}
-
-fn check_options(options: &ImportOptions) -> Result<()> {
-    let o = &options.settings;
-    let invalid = |m: String| Err(DatasetError::Argument(m));
-    if o.max_len == 0 || o.shard_tokens == 0 {
-        return invalid("--max-len and --shard-tokens must be at least 1".into());
-    }
-    if o.regenerate.is_some() {
-        return invalid("--from imports captured states: --regenerate does not apply".into());
-    }
-    if !(0.0..=1.0).contains(&o.held_out_fraction) {
-        return invalid(format!(
-            "held-out fraction {} is not in [0, 1]",
-            o.held_out_fraction
-        ));
-    }
-    Ok(())
-}
-
-/// Taps must be streams Headway's runtime returns too (when serving the head): after 0 to L − 1
-/// layers.
-fn check_taps(target: &TargetInfo, taps: &[usize], defaulted: bool) -> Result<()> {
-    let layers = target.num_hidden_layers;
-    let Some(&tap) = taps.iter().find(|&&t| t >= layers) else {
-        return Ok(());
-    };
-    let given = match defaulted {
-        true => "SpecForge's default capture layers give tap",
-        false => "--layers",
-    };
-    Err(DatasetError::Argument(format!(
-        "{given} {tap}: the target has {layers} layers, so taps run from 0 to {} (pass the \
-         capture's layers with --layers: SpecForge's layer id l is tap l + 1)",
-        layers.saturating_sub(1)
-    )))
 }
 
 /// The capture files under `dir`, in SpecForge's order (paths sorted); an error when there are
