@@ -8,34 +8,8 @@
 use tch::{Device, Kind, Tensor};
 
 use crate::config::ModelConfig;
+use crate::on_devices::OnDevices;
 use crate::{ModelError, Result};
-
-/// An index tensor on each device the layers use, made once per device.
-struct LayerIndex {
-    values: Vec<i64>,
-    on_devices: Vec<(Device, Tensor)>,
-}
-
-impl LayerIndex {
-    fn new(values: &[usize]) -> Self {
-        Self {
-            values: values.iter().map(|&v| v as i64).collect(),
-            on_devices: Vec::new(),
-        }
-    }
-
-    fn on(&mut self, device: Device) -> &Tensor {
-        let at = match self.on_devices.iter().position(|(d, _)| *d == device) {
-            Some(at) => at,
-            None => {
-                let index = Tensor::from_slice(&self.values).to_device(device);
-                self.on_devices.push((device, index));
-                self.on_devices.len() - 1
-            }
-        };
-        &self.on_devices[at].1
-    }
-}
 
 /// Key/value tensors of every layer for one batch of equally long sequences.
 pub struct KvCache {
@@ -131,7 +105,7 @@ impl KvCache {
         }
         let contiguous = keep.iter().enumerate().all(|(i, &p)| p == start + i);
         if !contiguous {
-            let mut index = LayerIndex::new(keep);
+            let mut index = OnDevices::new(row_index(keep));
             for cache in self.keys.iter_mut().chain(self.values.iter_mut()) {
                 // index_select materialises the rows before the copy, so source and destination
                 // may overlap.
@@ -210,7 +184,7 @@ impl KvCache {
                 "cannot keep sequences {rows:?} of a cache of {batch}"
             )));
         }
-        let mut index = LayerIndex::new(rows);
+        let mut index = OnDevices::new(row_index(rows));
         for cache in self.keys.iter_mut().chain(self.values.iter_mut()) {
             *cache = cache.index_select(0, index.on(cache.device()));
         }
@@ -277,4 +251,10 @@ impl KvCache {
     pub(crate) fn advance(&mut self, new_tokens: usize) {
         self.len += new_tokens;
     }
+}
+
+/// `rows` as an index tensor on the CPU (copied once to each device the layers use).
+fn row_index(rows: &[usize]) -> Tensor {
+    let rows: Vec<i64> = rows.iter().map(|&r| r as i64).collect();
+    Tensor::from_slice(&rows)
 }

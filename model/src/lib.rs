@@ -21,6 +21,7 @@ pub mod kv_cache;
 pub mod linear;
 pub mod llama;
 pub mod mask;
+mod on_devices;
 pub mod quant;
 pub mod quant_gguf;
 pub mod quant_kernel;

@@ -12,6 +12,7 @@ use crate::cpu::CpuPolicy;
 use crate::kv_cache::KvCache;
 use crate::linear::{Linear, Matrix};
 use crate::mask::TreeInput;
+use crate::on_devices::OnDevices;
 use crate::row_attention::{self, KeyMask};
 use crate::weights::{OnDevice, ShapeRecorder, WeightSource};
 use crate::{ModelError, Result};
@@ -707,62 +708,6 @@ impl Llama {
             )));
         }
         Ok(())
-    }
-}
-
-/// What can be copied to another device: a tensor, or the rotary tables.
-trait Movable: Sized {
-    fn device(&self) -> Device;
-    fn moved_to(&self, device: Device) -> Self;
-}
-
-impl Movable for Tensor {
-    fn device(&self) -> Device {
-        Tensor::device(self)
-    }
-
-    fn moved_to(&self, device: Device) -> Self {
-        self.to_device(device)
-    }
-}
-
-impl Movable for (Tensor, Tensor) {
-    fn device(&self) -> Device {
-        self.0.device()
-    }
-
-    fn moved_to(&self, device: Device) -> Self {
-        (self.0.to_device(device), self.1.to_device(device))
-    }
-}
-
-/// A value and its copies on other devices, each made once: the rotary tables and the mask of a
-/// forward whose layers are spread over devices.
-struct OnDevices<T> {
-    home: T,
-    copies: Vec<(Device, T)>,
-}
-
-impl<T: Movable> OnDevices<T> {
-    fn new(home: T) -> Self {
-        Self {
-            home,
-            copies: Vec::new(),
-        }
-    }
-
-    fn on(&mut self, device: Device) -> &T {
-        if self.home.device() == device {
-            return &self.home;
-        }
-        let at = match self.copies.iter().position(|(d, _)| *d == device) {
-            Some(at) => at,
-            None => {
-                self.copies.push((device, self.home.moved_to(device)));
-                self.copies.len() - 1
-            }
-        };
-        &self.copies[at].1
     }
 }
 
