@@ -1,5 +1,6 @@
 //! Few-row products `x [rows, 576] · Wᵀ` over 30 quantised weights of 1536 × 576 (SmolLM2's MLP
-//! shape), one thread, per block format and instruction set: milliseconds, and the rate at which
+//! shape; 576 × 1536, `ffn_down`'s, for formats whose rows are whole 256-value super-blocks),
+//! one thread, per block format and instruction set: milliseconds, and the rate at which
 //! the quantised bytes stream (compare with the f32 row kernel: `--example row_kernel`).
 //!
 //! cargo run --release -p headway-model --example quant_kernel
@@ -23,30 +24,36 @@ fn main() {
         isa => vec![isa],
     };
     for format in QuantFormat::ALL {
+        let (out, inputs) = match IN % format.row_multiple() {
+            0 => (OUT, IN),
+            _ => (IN, OUT),
+        };
         let weights: Vec<PackedMatrix> = (0..LAYERS)
             .map(|l| {
-                let values: Vec<f32> = (0..OUT * IN)
+                let values: Vec<f32> = (0..out * inputs)
                     .map(|i| ((i * 7 + l) % 13) as f32 * 0.01 - 0.06)
                     .collect();
-                PackedMatrix::new(&quantise(format, &values, OUT, IN))
+                PackedMatrix::new(&quantise(format, &values, out, inputs))
             })
             .collect();
         let bytes = (LAYERS * weights[0].bytes()) as f64;
         println!(
-            "{} ({:.1} MB): rows, then ms (GB/s) per instruction set {isas:?}",
+            "{} [{out}, {inputs}] ({:.1} MB): rows, then ms (GB/s) per instruction set {isas:?}",
             format.name(),
             bytes / 1e6
         );
         for rows in [1, 2, 4, 8, 16, 32, 64] {
-            let x: Vec<f32> = (0..rows * IN).map(|i| (i % 5) as f32 * 0.1 - 0.2).collect();
-            let mut y = vec![0f32; rows * OUT];
+            let x: Vec<f32> = (0..rows * inputs)
+                .map(|i| (i % 5) as f32 * 0.1 - 0.2)
+                .collect();
+            let mut y = vec![0f32; rows * out];
             let mut line = format!("{rows:>4}");
             for &isa in &isas {
                 let seconds = best_of(REPS, || {
-                    let quantised = QuantisedRows::new(&x, IN);
+                    let quantised = QuantisedRows::new(&x, inputs);
                     for w in &weights {
-                        // SAFETY: `isa` was detected; y holds rows × OUT floats.
-                        unsafe { columns(isa, &quantised, w, y.as_mut_ptr(), OUT, 0, OUT) };
+                        // SAFETY: `isa` was detected; y holds rows × out floats.
+                        unsafe { columns(isa, &quantised, w, y.as_mut_ptr(), out, 0, out) };
                     }
                 });
                 line += &format!("  {:>8.2} ({:>5.1})", seconds * 1e3, bytes / seconds / 1e9);

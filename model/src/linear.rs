@@ -493,7 +493,7 @@ mod tests {
     #[test]
     fn a_stack_of_formats_computes_each_part_as_alone() {
         use crate::quant::{quantise, QuantFormat};
-        let (cols, parts) = (64, [(QuantFormat::Q4_K32, 20), (QuantFormat::Q6_K32, 13)]);
+        let (cols, parts) = (256, [(QuantFormat::Q4_K, 20), (QuantFormat::Q6_K, 13)]);
         let blocks: Vec<QuantMatrix> = parts
             .iter()
             .map(|&(format, rows)| {

@@ -9,10 +9,12 @@
 //! products at once, and after eight such steps lane `j` holds block `b`'s exact integer product
 //! for feature `j` — no horizontal reduction, and the unpacked weights serve every activation row
 //! of a tile. Each block then costs one FMA per lane (`Σq · d_w·d_x`), plus one for the minimum
-//! of `Q4_1` and `Q4_K32` (`m_w · d_x Σq_x`, on its own accumulator). `Q6_K32`'s two half
-//! scales multiply the halves' integer sums before that (`s₀Σ₀ + s₁Σ₁`, still exact). The result differs from the f32 product of
-//! the dequantised weights by the activations' rounding (about 0.3 % per block, averaging out over
-//! a row; the parity tests state the bound).
+//! of `Q4_1` and `Q4_K` (`m_w · d_x Σq_x`, on its own accumulator; `Q4_K`'s `d_w` and `m_w` are
+//! the products of its super-block's f16 scales and the block's 6-bit integers, formed here as
+//! they are everywhere else). `Q6_K`'s two half scales multiply the halves' integer sums, each
+//! less its offset, before that (`s₀(Σ₀ − 32Σx₀) + s₁(Σ₁ − 32Σx₁)`, still exact). The result
+//! differs from the f32 product of the dequantised weights by the activations' rounding (about
+//! 0.3 % per block, averaging out over a row; the parity tests state the bound).
 //!
 //! Every output `y[r][o]` runs the same operations in the same order whatever the number of rows
 //! beside it, the thread split, or the instruction set: the integer sums are exact, so AVX2's
@@ -28,6 +30,7 @@
 
 use std::sync::Arc;
 
+use crate::quant::high_bits_field;
 use crate::quant::{block_minimum, block_quant, block_scale, dequantise_block, half_scales};
 use crate::quant::{QuantFormat, QuantMatrix, BLOCK};
 
@@ -46,8 +49,10 @@ const STEPS: usize = BLOCK / GROUP;
 /// the eight rows; then the quants. 4-bit formats: four 32-byte chunks, chunk `k`'s lane `j`
 /// (bytes `4j..4j+4`) holding row `j`'s elements `8k..8k+4` in the low nibbles and `8k+4..8k+8`
 /// in the high ones; signed bytes: eight chunks, chunk `g`'s lane `j` holding elements
-/// `4g..4g+4`. The bytes are as many as the [`QuantMatrix`]'s, plus zero
-/// rows up to a whole octet. Cloning shares the bytes.
+/// `4g..4g+4`. The fields a super-block's blocks share ([`QuantFormat::shared_fields`]: `Q4_K`'s
+/// `d` and `dmin`) come once per octet and super-block, before its eight blocks. The bytes are as
+/// many as the [`QuantMatrix`]'s (less the repeated shared fields), plus zero rows up to a whole
+/// octet. Cloning shares the bytes.
 #[derive(Clone)]
 pub struct PackedMatrix {
     format: QuantFormat,
@@ -75,15 +80,17 @@ impl PackedMatrix {
         let (rows, cols) = (blocks.rows(), blocks.cols());
         let per_row = cols / BLOCK;
         let octets = rows.div_ceil(LANES);
-        let mut data = vec![0u8; octets * per_row * octet_bytes(format)];
+        let mut data = vec![0u8; octets * per_row / unit_blocks(format) * unit_bytes(format)];
         for (row, source) in blocks.data().chunks_exact(blocks.row_bytes()).enumerate() {
             for (b, block) in source.chunks_exact(format.block_bytes()).enumerate() {
-                let at = (row / LANES * per_row + b) * octet_bytes(format);
+                let (shared_at, at) = block_places(format, per_row, row / LANES, b);
+                let (before, from) = data.split_at_mut(at);
                 pack_block(
                     format,
                     block,
                     row % LANES,
-                    &mut data[at..][..octet_bytes(format)],
+                    &mut before[shared_at..][..shared_octet_bytes(format)],
+                    &mut from[..octet_bytes(format)],
                 );
             }
         }
@@ -119,7 +126,8 @@ impl PackedMatrix {
         self.cols
     }
 
-    /// Bytes the kernels stream (the [`QuantMatrix`]'s, plus padding rows).
+    /// Bytes the kernels stream (the [`QuantMatrix`]'s less repeated shared fields, plus padding
+    /// rows).
     pub fn bytes(&self) -> usize {
         self.data.len()
     }
@@ -130,9 +138,15 @@ impl PackedMatrix {
 
     /// Block `b` of row `row` in [`QuantMatrix`]'s layout.
     fn block(&self, row: usize, b: usize) -> Vec<u8> {
-        let octet_bytes = octet_bytes(self.format);
-        let at = (row / LANES * (self.cols / BLOCK) + b) * octet_bytes;
-        unpack_block(self.format, &self.data[at..][..octet_bytes], row % LANES)
+        let format = self.format;
+        let (shared_at, at) = block_places(format, self.cols / BLOCK, row / LANES, b);
+        let shared = &self.data[shared_at..][..shared_octet_bytes(format)];
+        unpack_block(
+            format,
+            shared,
+            &self.data[at..][..octet_bytes(format)],
+            row % LANES,
+        )
     }
 
     /// Row `row`'s values into `out` (`cols` floats).
@@ -223,14 +237,44 @@ impl StackedMatrix {
     }
 }
 
-/// Bytes of one octet's block: eight blocks.
+/// Bytes of one octet's block: eight blocks, without the fields their super-blocks share.
 const fn octet_bytes(format: QuantFormat) -> usize {
-    LANES * format.block_bytes()
+    LANES * (format.block_bytes() - format.shared_bytes())
 }
 
 /// Bytes of the header fields before an octet's quants.
 const fn scale_bytes(format: QuantFormat) -> usize {
-    format.header_bytes() * LANES
+    LANES * (format.header_bytes() - format.shared_bytes())
+}
+
+/// Bytes of the shared fields before an octet's super-block: eight super-blocks' (0 for formats
+/// without).
+const fn shared_octet_bytes(format: QuantFormat) -> usize {
+    LANES * format.shared_bytes()
+}
+
+/// Where the first word of high bits ([`QuantFormat::high_bits`]) starts in an octet's block.
+const fn high_words_at(format: QuantFormat) -> usize {
+    LANES * (format.field_start(high_bits_field(format)) - format.shared_bytes())
+}
+
+/// Blocks per unit of the layout: a super-block for formats with shared fields, else a block.
+const fn unit_blocks(format: QuantFormat) -> usize {
+    format.row_multiple() / BLOCK
+}
+
+/// Bytes of one octet's unit: the shared fields, then each block.
+const fn unit_bytes(format: QuantFormat) -> usize {
+    shared_octet_bytes(format) + unit_blocks(format) * octet_bytes(format)
+}
+
+/// Where octet `octet`'s block `b` (of `per_row`) lives: the start of its unit (the shared
+/// fields), and of its own bytes.
+fn block_places(format: QuantFormat, per_row: usize, octet: usize, b: usize) -> (usize, usize) {
+    let unit = unit_blocks(format);
+    let shared_at = (octet * per_row / unit + b / unit) * unit_bytes(format);
+    let at = shared_at + shared_octet_bytes(format) + b % unit * octet_bytes(format);
+    (shared_at, at)
 }
 
 /// Where element `e` of lane `lane` lives in an octet's quants: byte, and for 4-bit formats
@@ -244,50 +288,83 @@ fn quant_place(format: QuantFormat, lane: usize, e: usize) -> (usize, bool) {
     }
 }
 
-/// Per header field: where it starts in a block, and in an octet, and its width.
-fn header_places(format: QuantFormat) -> impl Iterator<Item = (usize, usize, usize)> {
-    format.header_fields().iter().scan(0, |at, &width| {
-        let place = (*at, *at * LANES, width);
-        *at += width;
-        Some(place)
+/// Where a header field lives.
+struct HeaderPlace {
+    /// Its first byte in a block,
+    in_block: usize,
+    /// whether it is one of the super-block's shared fields,
+    shared: bool,
+    /// its first byte in the octet's shared fields or block (eight lanes' copies),
+    in_octet: usize,
+    /// and its bytes per lane.
+    width: usize,
+}
+
+/// Every header field's place, in order.
+fn header_places(format: QuantFormat) -> impl Iterator<Item = HeaderPlace> {
+    let shared = format.shared_fields();
+    (0..format.header_fields().len()).map(move |field| {
+        let in_block = format.field_start(field);
+        let own_start = if field < shared {
+            0
+        } else {
+            format.shared_bytes()
+        };
+        HeaderPlace {
+            in_block,
+            shared: field < shared,
+            in_octet: (in_block - own_start) * LANES,
+            width: format.header_fields()[field],
+        }
     })
 }
 
-/// Where `Q5_0`'s high bit of element `e` sits in the kernel's copy of the 32-bit word: bit
-/// `8i + s` for element `4s + i`, so that one shift and mask put step `s`'s four bits at bit 4
-/// of the four bytes that hold their nibbles.
-const fn kernel_high_bit(e: usize) -> usize {
-    8 * (e % GROUP) + e / GROUP
+/// Where bit `k` of the high bits of a word's element `e` (`bits` per element: `Q5_0`'s one,
+/// `Q6_K`'s two) sits in the kernel's copy of the 32-bit word: bit `8i + bits·s + k` for element
+/// `4s + i`, so that one shift and mask put step `s`'s bits at bit 4 of the four bytes that hold
+/// their nibbles.
+const fn kernel_high_bit(bits: usize, e: usize, k: usize) -> usize {
+    8 * (e % GROUP) + bits * (e / GROUP) + k
 }
 
-/// `Q5_0`'s high bits (bit `e` for element `e`) in the kernel's order, or back with `inverse`.
-fn reorder_high_bits(word: [u8; 4], inverse: bool) -> [u8; 4] {
+/// A word of high bits (bits `bits·e..bits·(e + 1)` for element `e`) in the kernel's order, or
+/// back with `inverse`.
+fn reorder_high_bits(bits: usize, word: [u8; 4], inverse: bool) -> [u8; 4] {
     let word = u32::from_le_bytes(word);
-    let moved = (0..BLOCK).fold(0u32, |out, e| {
+    let places = (0..32 / bits).flat_map(|e| (0..bits).map(move |k| (e, k)));
+    let moved = places.fold(0u32, |out, (e, k)| {
+        let (stored, kernel) = (bits * e + k, kernel_high_bit(bits, e, k));
         let (from, to) = if inverse {
-            (kernel_high_bit(e), e)
+            (kernel, stored)
         } else {
-            (e, kernel_high_bit(e))
+            (stored, kernel)
         };
         out | ((word >> from) & 1) << to
     });
     moved.to_le_bytes()
 }
 
-/// `Q5_0`'s header field holding the high bits.
-const HIGH_BITS_FIELD: usize = 1;
+/// Header field `field` as packed for the kernels, or back with `inverse`.
+fn reorder_field(format: QuantFormat, field: usize, bytes: &[u8], inverse: bool, out: &mut [u8]) {
+    if format.high_bits() > 0 && field >= high_bits_field(format) {
+        let word = bytes.try_into().expect("a 32-bit word");
+        out.copy_from_slice(&reorder_high_bits(format.high_bits(), word, inverse))
+    } else {
+        out.copy_from_slice(bytes)
+    }
+}
 
-/// Writes `block` as lane `lane` of `octet`.
-fn pack_block(format: QuantFormat, block: &[u8], lane: usize, octet: &mut [u8]) {
-    for (field, (in_block, in_octet, width)) in header_places(format).enumerate() {
-        let bytes = &block[in_block..][..width];
-        let out = &mut octet[in_octet + lane * width..][..width];
-        match (format, field) {
-            (QuantFormat::Q5_0, HIGH_BITS_FIELD) => {
-                out.copy_from_slice(&reorder_high_bits(bytes.try_into().unwrap(), false))
-            }
-            _ => out.copy_from_slice(bytes),
-        }
+/// Writes `block` as lane `lane` of `octet` (and of its unit's `shared` fields).
+fn pack_block(format: QuantFormat, block: &[u8], lane: usize, shared: &mut [u8], octet: &mut [u8]) {
+    for (field, place) in header_places(format).enumerate() {
+        let bytes = &block[place.in_block..][..place.width];
+        let region = if place.shared {
+            &mut *shared
+        } else {
+            &mut *octet
+        };
+        let out = &mut region[place.in_octet + lane * place.width..][..place.width];
+        reorder_field(format, field, bytes, false, out);
     }
     let quants = &mut octet[scale_bytes(format)..];
     for e in 0..BLOCK {
@@ -300,18 +377,14 @@ fn pack_block(format: QuantFormat, block: &[u8], lane: usize, octet: &mut [u8]) 
     }
 }
 
-/// Lane `lane` of `octet` as a block.
-fn unpack_block(format: QuantFormat, octet: &[u8], lane: usize) -> Vec<u8> {
+/// Lane `lane` of `octet` (with its unit's `shared` fields) as a block.
+fn unpack_block(format: QuantFormat, shared: &[u8], octet: &[u8], lane: usize) -> Vec<u8> {
     let mut block = vec![0u8; format.block_bytes()];
-    for (field, (in_block, in_octet, width)) in header_places(format).enumerate() {
-        let bytes = &octet[in_octet + lane * width..][..width];
-        let out = &mut block[in_block..][..width];
-        match (format, field) {
-            (QuantFormat::Q5_0, HIGH_BITS_FIELD) => {
-                out.copy_from_slice(&reorder_high_bits(bytes.try_into().unwrap(), true))
-            }
-            _ => out.copy_from_slice(bytes),
-        }
+    for (field, place) in header_places(format).enumerate() {
+        let region = if place.shared { shared } else { octet };
+        let bytes = &region[place.in_octet + lane * place.width..][..place.width];
+        let out = &mut block[place.in_block..][..place.width];
+        reorder_field(format, field, bytes, true, out);
     }
     let quants = &octet[scale_bytes(format)..];
     let block_quants = &mut block[format.header_bytes()..];
@@ -336,8 +409,10 @@ pub struct QuantisedRows {
     d: Vec<f32>,
     /// `d · Σq`, what a weight minimum (`Q4_1`) multiplies,
     sum: Vec<f32>,
-    /// and `Σq`, what an offset of the unsigned weights (`Q4_0`'s 8, `Q5_0`'s 16) multiplies.
+    /// `Σq`, what an offset of the unsigned weights (`Q4_0`'s 8, `Q5_0`'s 16) multiplies,
     sum_q: Vec<i32>,
+    /// and the first half's (`Q6_K`'s offset meets each half's own scale).
+    half_sum_q: Vec<i32>,
 }
 
 impl QuantisedRows {
@@ -351,19 +426,24 @@ impl QuantisedRows {
             d: Vec::with_capacity(blocks),
             sum: Vec::with_capacity(blocks),
             sum_q: Vec::with_capacity(blocks),
+            half_sum_q: Vec::with_capacity(blocks),
         };
         for (values, q) in x.chunks_exact(BLOCK).zip(rows.q.chunks_exact_mut(BLOCK)) {
             let amax = values.iter().fold(0f32, |a, v| a.max(v.abs()));
             let d = amax / 127.0;
             let inverse = if d != 0.0 { 1.0 / d } else { 0.0 };
-            let mut total = 0i32;
-            for (value, q) in values.iter().zip(q.iter_mut()) {
+            let (mut total, mut first_half) = (0i32, 0i32);
+            for (e, (value, q)) in values.iter().zip(q.iter_mut()).enumerate() {
                 *q = (value * inverse).round() as i8;
                 total += i32::from(*q);
+                if e == BLOCK / 2 - 1 {
+                    first_half = total;
+                }
             }
             rows.d.push(d);
             rows.sum.push(d * total as f32);
             rows.sum_q.push(total);
+            rows.half_sum_q.push(first_half);
         }
         rows
     }
@@ -501,9 +581,9 @@ impl Tile {
         }
         match isa {
             #[cfg(target_arch = "x86_64")]
-            Isa::Vnni => per_format!(tile_vnni, self, Q4_0, Q4_1, Q8_0, Q5_0, Q4_K32, Q6_K32),
+            Isa::Vnni => per_format!(tile_vnni, self, Q4_0, Q4_1, Q8_0, Q5_0, Q4_K, Q6_K),
             #[cfg(target_arch = "x86_64")]
-            Isa::Avx2 => per_format!(tile_avx2, self, Q4_0, Q4_1, Q8_0, Q5_0, Q4_K32, Q6_K32),
+            Isa::Avx2 => per_format!(tile_avx2, self, Q4_0, Q4_1, Q8_0, Q5_0, Q4_K, Q6_K),
             _ => std::array::from_fn(|r| {
                 std::array::from_fn(|lane| {
                     let column = (self.octet * LANES + lane).min(w.rows().max(1) - 1);
@@ -533,14 +613,15 @@ pub fn reference_dot(w: &PackedMatrix, column: usize, x: &QuantisedRows, row: us
             quant * i32::from(xq[e])
         };
         let [first, second] = [0, 1].map(|h| (h * 16..h * 16 + 16).map(product).sum::<i32>());
-        let mut total = match format {
-            QuantFormat::Q6_K32 => {
+        let offset = format.quant_offset();
+        let total = match format {
+            QuantFormat::Q6_K => {
                 let [s0, s1] = half_scales(&block).map(i32::from);
-                s0 * first + s1 * second
+                let first_x = x.half_sum_q[at];
+                s0 * (first - offset * first_x) + s1 * (second - offset * (x.sum_q[at] - first_x))
             }
-            _ => first + second,
+            _ => first + second - offset * x.sum_q[at],
         };
-        total -= format.quant_offset() * x.sum_q[at];
         let d_w = block_scale(format, &block);
         let half = &mut halves[b % 2];
         *half = (total as f32).mul_add(d_w * x.d[at], *half);
@@ -560,7 +641,9 @@ pub fn reference_dot(w: &PackedMatrix, column: usize, x: &QuantisedRows, row: us
 mod simd {
     use std::arch::x86_64::*;
 
-    use super::{octet_bytes, scale_bytes, PackedMatrix, QuantisedRows, Tile};
+    use super::{high_words_at, octet_bytes, scale_bytes, shared_octet_bytes};
+    use super::{unit_blocks, unit_bytes};
+    use super::{PackedMatrix, QuantisedRows, Tile};
     use super::{BLOCK, GROUP, LANES, STEPS};
     use crate::quant::QuantFormat;
 
@@ -584,15 +667,20 @@ mod simd {
             ) -> [[f32; LANES]; R] {
                 // A constant in each instance, so that every format gets its own loop.
                 let format = QuantFormat::from_code(FORMAT);
-                let blocks = x.blocks_per_row();
+                let (blocks, unit) = (x.blocks_per_row(), unit_blocks(format));
                 let mut at = w
                     .data
                     .as_ptr()
-                    .add(tile.octet * blocks * octet_bytes(format));
+                    .add(tile.octet * blocks / unit * unit_bytes(format));
                 let mut halves = [[_mm256_setzero_ps(); 2]; R];
                 let mut minimum = [_mm256_setzero_ps(); R];
+                let mut shared = Shared::zeros();
                 for b in 0..blocks {
-                    let header = Header::load::<FORMAT>(at);
+                    if format.shared_fields() > 0 && b % unit == 0 {
+                        shared = Shared::load::<FORMAT>(at);
+                        at = at.add(shared_octet_bytes(format));
+                    }
+                    let header = Header::load::<FORMAT>(at, &shared);
                     let weights = unpack::<FORMAT>(at);
                     for r in 0..R {
                         let block_at = (tile.row + r) * blocks + b;
@@ -607,18 +695,25 @@ mod simd {
                         }
                         let first = _mm256_add_epi32(halves_ints[0], halves_ints[1]);
                         let second = _mm256_add_epi32(halves_ints[2], halves_ints[3]);
-                        let mut ints = match header.half_scales {
-                            Some([s0, s1]) => _mm256_add_epi32(
-                                _mm256_mullo_epi32(first, s0),
-                                _mm256_mullo_epi32(second, s1),
+                        let (offset, sum_q) =
+                            (format.quant_offset(), *x.sum_q.get_unchecked(block_at));
+                        let ints = match header.half_scales {
+                            Some([s0, s1]) => {
+                                // Each half's offset before its scale.
+                                let first_x = *x.half_sum_q.get_unchecked(block_at);
+                                let x0 = _mm256_set1_epi32(offset * first_x);
+                                let x1 = _mm256_set1_epi32(offset * (sum_q - first_x));
+                                _mm256_add_epi32(
+                                    _mm256_mullo_epi32(_mm256_sub_epi32(first, x0), s0),
+                                    _mm256_mullo_epi32(_mm256_sub_epi32(second, x1), s1),
+                                )
+                            }
+                            None if offset != 0 => _mm256_sub_epi32(
+                                _mm256_add_epi32(first, second),
+                                _mm256_set1_epi32(offset * sum_q),
                             ),
                             None => _mm256_add_epi32(first, second),
                         };
-                        if format.quant_offset() != 0 {
-                            let sum_q = *x.sum_q.get_unchecked(block_at);
-                            let offset = _mm256_set1_epi32(format.quant_offset() * sum_q);
-                            ints = _mm256_sub_epi32(ints, offset);
-                        }
                         let scale = _mm256_mul_ps(
                             header.scale,
                             _mm256_set1_ps(*x.d.get_unchecked(block_at)),
@@ -656,8 +751,59 @@ mod simd {
     pub(super) use avx2::tile as tile_avx2;
     pub(super) use vnni::tile as tile_vnni;
 
+    /// Eight f16s at `at` as f32s.
+    #[inline]
+    #[target_feature(enable = "avx2,f16c")]
+    unsafe fn f16s(at: *const u8) -> __m256 {
+        _mm256_cvtph_ps(_mm_loadu_si128(at as *const __m128i))
+    }
+
+    /// Eight unsigned bytes at `at` as f32s.
+    #[inline]
+    #[target_feature(enable = "avx2")]
+    unsafe fn unsigned_bytes(at: *const u8) -> __m256 {
+        _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(at as *const _)))
+    }
+
+    /// Eight signed bytes at `at` as i32s.
+    #[inline]
+    #[target_feature(enable = "avx2")]
+    unsafe fn signed_bytes(at: *const u8) -> __m256i {
+        _mm256_cvtepi8_epi32(_mm_loadl_epi64(at as *const _))
+    }
+
+    /// One octet's super-block fields, per lane: `Q4_K`'s `d` and `dmin`, `Q6_K`'s `d` (zeros
+    /// where a format has none).
+    struct Shared {
+        scale: __m256,
+        minimum: __m256,
+    }
+
+    impl Shared {
+        #[inline]
+        #[target_feature(enable = "avx2")]
+        unsafe fn zeros() -> Self {
+            Self {
+                scale: _mm256_setzero_ps(),
+                minimum: _mm256_setzero_ps(),
+            }
+        }
+
+        #[inline]
+        #[target_feature(enable = "avx2,f16c")]
+        unsafe fn load<const FORMAT: u8>(at: *const u8) -> Self {
+            Self {
+                scale: f16s(at),
+                minimum: match QuantFormat::from_code(FORMAT).has_minimum() {
+                    true => f16s(at.add(2 * LANES)),
+                    false => _mm256_setzero_ps(),
+                },
+            }
+        }
+    }
+
     /// One octet's block header, per lane: the scale `d`, the minimum (zeros where the format
-    /// has none), `Q6_K32`'s half scales.
+    /// has none), `Q6_K`'s half scales.
     struct Header {
         scale: __m256,
         minimum: __m256,
@@ -667,20 +813,22 @@ mod simd {
     impl Header {
         #[inline]
         #[target_feature(enable = "avx2,f16c")]
-        unsafe fn load<const FORMAT: u8>(at: *const u8) -> Self {
+        unsafe fn load<const FORMAT: u8>(at: *const u8, shared: &Shared) -> Self {
             let format = QuantFormat::from_code(FORMAT);
-            let f16s = |at: *const u8| _mm256_cvtph_ps(_mm_loadu_si128(at as *const __m128i));
-            let bytes = |at: *const u8| _mm256_cvtepi8_epi32(_mm_loadl_epi64(at as *const _));
             match format {
-                QuantFormat::Q4_K32 => Self {
-                    scale: _mm256_loadu_ps(at as *const f32),
-                    minimum: _mm256_loadu_ps(at.add(4 * LANES) as *const f32),
+                // `d·sc` and `−(dmin·m)`, as `quant::block_scale` and `block_minimum` form them.
+                QuantFormat::Q4_K => Self {
+                    scale: _mm256_mul_ps(shared.scale, unsigned_bytes(at)),
+                    minimum: _mm256_xor_ps(
+                        _mm256_mul_ps(shared.minimum, unsigned_bytes(at.add(LANES))),
+                        _mm256_set1_ps(-0.0),
+                    ),
                     half_scales: None,
                 },
-                QuantFormat::Q6_K32 => Self {
-                    scale: f16s(at),
+                QuantFormat::Q6_K => Self {
+                    scale: shared.scale,
                     minimum: _mm256_setzero_ps(),
-                    half_scales: Some([bytes(at.add(2 * LANES)), bytes(at.add(3 * LANES))]),
+                    half_scales: Some([signed_bytes(at), signed_bytes(at.add(LANES))]),
                 },
                 QuantFormat::Q4_1 => Self {
                     scale: f16s(at),
@@ -750,19 +898,24 @@ mod simd {
                     _mm256_and_si256(_mm256_srli_epi16(packed, 4), mask);
             }
         }
-        if format == QuantFormat::Q5_0 {
-            // Step `s`'s high bits sit at bits `8i + s` of each lane's word (`kernel_high_bit`):
-            // shifted to bit 4 of byte `i`, they complete the four quants' fifth bits.
-            let words = _mm256_loadu_si256(octet.add(2 * LANES) as *const __m256i);
-            let fifth = _mm256_set1_epi8(0x10);
+        let bits = format.high_bits();
+        // A 32-bit word holds the high bits of 32 / bits quants: 8 / bits steps of four.
+        if let Some(steps_per_word) = (32 / GROUP).checked_div(bits) {
+            // Step `s`'s high bits sit at bits `8i + bits·s'` of each lane's word
+            // (`kernel_high_bit`, `s'` the step within its word): shifted to bit 4 of byte `i`,
+            // they complete the four quants.
+            let words_at = octet.add(high_words_at(format));
+            let mask = _mm256_set1_epi8((((1 << bits) - 1) << 4) as i8);
             for (step, unsigned) in weights.unsigned.iter_mut().enumerate() {
-                let shift = 4 - step as i32;
+                let word = step / steps_per_word;
+                let words = _mm256_loadu_si256(words_at.add(word * 4 * LANES) as *const __m256i);
+                let shift = 4 - (bits * (step % steps_per_word)) as i32;
                 let moved = if shift >= 0 {
                     _mm256_sllv_epi32(words, _mm256_set1_epi32(shift))
                 } else {
                     _mm256_srlv_epi32(words, _mm256_set1_epi32(-shift))
                 };
-                *unsigned = _mm256_or_si256(*unsigned, _mm256_and_si256(moved, fifth));
+                *unsigned = _mm256_or_si256(*unsigned, _mm256_and_si256(moved, mask));
             }
         }
         weights
@@ -776,6 +929,11 @@ mod tests {
     use crate::quant::tests::random;
 
     const FORMATS: [QuantFormat; 6] = QuantFormat::ALL;
+
+    /// `cols`, or the next width `format` takes (`Q4_K`: whole super-blocks).
+    fn width(format: QuantFormat, cols: usize) -> usize {
+        cols.next_multiple_of(format.row_multiple())
+    }
 
     /// Columns `first..first + len` of the product, the rest left NaN.
     fn product(
@@ -801,15 +959,20 @@ mod tests {
         isas
     }
 
-    /// Packing keeps every byte: unpacking gives the blocks back, and rows dequantise alike.
+    /// Packing keeps every byte: unpacking gives the blocks back, and rows dequantise alike. The
+    /// kernels stream the bits per weight of the format (`Q4_K`: the file's 4.5 bits, but its
+    /// sub-block scales and minimums in a byte each rather than six bits: 4.625; `Q6_K` the
+    /// file's 6.5625).
     #[test]
     fn packing_then_unpacking_gives_the_blocks_back() {
-        for format in FORMATS {
-            let (rows, cols) = (13, 96);
+        let bits = [4.5, 5.0, 8.5, 5.5, 4.625, 6.5625];
+        for (format, bits) in FORMATS.into_iter().zip(bits) {
+            let (rows, cols) = (13, width(format, 96));
             let blocks = quantise(format, &random(rows * cols, 5), rows, cols);
             let packed = PackedMatrix::new(&blocks);
             assert_eq!(packed.unpacked().data(), blocks.data(), "{format:?}");
-            assert_eq!(packed.bytes(), 16 * cols / BLOCK * format.block_bytes());
+            // 13 rows padded to 16.
+            assert_eq!(packed.bytes() as f64 * 8.0, 16.0 * cols as f64 * bits);
             let (mut a, mut b) = (vec![0f32; cols], vec![1f32; cols]);
             for row in 0..rows {
                 blocks.dequantise_row(row, &mut a);
@@ -824,7 +987,8 @@ mod tests {
     /// column ranges that split octets.
     #[test]
     fn every_instruction_set_and_row_count_gives_the_same_bits() {
-        for (format, cols) in FORMATS.into_iter().flat_map(|f| [(f, 96), (f, 352)]) {
+        let sizes = |f| [(f, width(f, 96)), (f, width(f, 352))];
+        for (format, cols) in FORMATS.into_iter().flat_map(sizes) {
             // 131 features: sixteen whole octets and a partial one.
             let out = 131;
             let w = PackedMatrix::new(&quantise(format, &random(out * cols, 1), out, cols));
@@ -859,7 +1023,7 @@ mod tests {
     #[test]
     fn products_match_the_dequantised_weights_within_activation_rounding() {
         for format in FORMATS {
-            let (out, cols, rows) = (40, 576, 3);
+            let (out, cols, rows) = (40, width(format, 576), 3);
             let w = PackedMatrix::new(&quantise(format, &random(out * cols, 3), out, cols));
             let xs = random(rows * cols, 4);
             let got = product(detected_isa(), &QuantisedRows::new(&xs, cols), &w, 0, out);

@@ -866,12 +866,12 @@ fn a_gguf_target_runs_its_blocks_natively_close_to_the_converted_directory() {
     let converted = headway_model::Target::load(&out, tch::Kind::Float, tch::Device::Cpu, threads)
         .expect("load the converted directory");
 
-    // No matrix fell back to f32: at most 9 bits per weight (Q6_K's sub-blocks) against 32.
+    // No matrix fell back to f32: at most 8.5 bits per weight (Q8_0's) against 32.
     let (bytes, f32_bytes) = (
         native.model.decode_step_bytes(),
         converted.model.decode_step_bytes(),
     );
-    assert!(bytes * 32 <= f32_bytes * 9, "{bytes} of {f32_bytes} bytes");
+    assert!(bytes * 64 <= f32_bytes * 17, "{bytes} of {f32_bytes} bytes");
     assert!(matches!(
         native.model.lm_head.matrix(),
         headway_model::linear::Matrix::Quantised { .. }
