@@ -434,7 +434,7 @@ impl QuantisedRows {
             let inverse = if d != 0.0 { 1.0 / d } else { 0.0 };
             let (mut total, mut first_half) = (0i32, 0i32);
             for (e, (value, q)) in values.iter().zip(q.iter_mut()).enumerate() {
-                *q = (value * inverse).round() as i8;
+                *q = round_half_away(value * inverse) as i8;
                 total += i32::from(*q);
                 if e == BLOCK / 2 - 1 {
                     first_half = total;
@@ -455,6 +455,16 @@ impl QuantisedRows {
     fn blocks_per_row(&self) -> usize {
         self.cols / BLOCK
     }
+}
+
+/// `y.round()` for `|y| < 2²³` (here at most 127) without libm's `roundf`, which the baseline
+/// x86-64 target calls for every value: truncation is one instruction, and `y − trunc(y)` is
+/// exact, so comparing it with ±½ rounds halves away from zero as `round` does.
+#[inline(always)]
+fn round_half_away(y: f32) -> i32 {
+    let truncated = y as i32;
+    let fraction = y - truncated as f32;
+    truncated + i32::from(fraction >= 0.5) - i32::from(fraction <= -0.5)
 }
 
 /// The instruction set [`columns`] runs on, chosen once per process.
@@ -1040,6 +1050,21 @@ mod tests {
             }
             assert!(worst < 0.01 * scale, "{format:?}: {worst} of {scale}");
         }
+    }
+
+    /// The activations' rounding is `f32::round`'s, halves away from zero included.
+    #[test]
+    fn activations_round_as_f32_round_does() {
+        let halves = (-255..=255).map(|k| k as f32 * 0.5);
+        let near = [0.499_999_97f32, -0.499_999_97, 126.5, -126.5, 1e-30, -0.0];
+        for y in halves
+            .chain(near)
+            .chain(random(4096, 9).iter().map(|v| v * 127.0))
+        {
+            assert_eq!(round_half_away(y), y.round() as i32, "{y}");
+        }
+        let rows = QuantisedRows::new(&[2.5f32; 32], 32);
+        assert!(rows.q.iter().all(|&q| q == 127));
     }
 
     #[test]
