@@ -1,7 +1,32 @@
 //! The binaries as a user runs them: help, generation, benchmark JSON, conversion and its errors.
 
+use std::path::{Path, PathBuf};
+
 use headway_model::testing::write_tiny_model;
 use headway_tests::{run, stderr, stdout};
+
+/// `rows` (one JSON question each) as the question file `q.jsonl` in `dir`.
+fn write_questions(dir: &Path, rows: &[String]) -> PathBuf {
+    let questions = dir.join("q.jsonl");
+    std::fs::write(&questions, rows.join("\n")).unwrap();
+    questions
+}
+
+/// `headway-serve bench` of `target` over `questions` with `args`, writing its report to `json`;
+/// the report, once the run has succeeded.
+fn bench_report(target: &str, questions: &Path, args: &[&str], json: &Path) -> serde_json::Value {
+    let files = [
+        "--target",
+        target,
+        "--questions",
+        questions.to_str().unwrap(),
+        "--json",
+        json.to_str().unwrap(),
+    ];
+    let out = run("headway-serve", &[&["bench"], &files[..], args].concat());
+    assert!(out.status.success(), "{}", stderr(&out));
+    serde_json::from_str(&std::fs::read_to_string(json).unwrap()).unwrap()
+}
 
 #[test]
 fn every_subcommand_explains_its_flags() {
@@ -235,7 +260,6 @@ fn with_lookup_needs_a_model_drafter() {
 fn bench_writes_the_documented_json_fields() {
     let dir = tempfile::tempdir().unwrap();
     write_tiny_model(dir.path(), 3).unwrap();
-    let questions = dir.path().join("q.jsonl");
     let rows: Vec<String> = (0..6)
         .map(|i| {
             format!(
@@ -244,29 +268,13 @@ fn bench_writes_the_documented_json_fields() {
             )
         })
         .collect();
-    std::fs::write(&questions, rows.join("\n")).unwrap();
-    let json = dir.path().join("out.json");
-    let out = run(
-        "headway-serve",
-        &[
-            "bench",
-            "--target",
-            dir.path().to_str().unwrap(),
-            "--method",
-            "ar",
-            "--questions",
-            questions.to_str().unwrap(),
-            "--limit",
-            "3",
-            "--max-new-tokens",
-            "5",
-            "--json",
-            json.to_str().unwrap(),
-        ],
+    let questions = write_questions(dir.path(), &rows);
+    let report = bench_report(
+        dir.path().to_str().unwrap(),
+        &questions,
+        &["--method", "ar", "--limit", "3", "--max-new-tokens", "5"],
+        &dir.path().join("out.json"),
     );
-    assert!(out.status.success(), "{}", stderr(&out));
-    let report: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
     for key in [
         "method",
         "tau",
@@ -292,37 +300,22 @@ fn bench_writes_the_documented_json_fields() {
 fn bench_takes_string_question_ids_and_keeps_them() {
     let dir = tempfile::tempdir().unwrap();
     write_tiny_model(dir.path(), 3).unwrap();
-    let questions = dir.path().join("q.jsonl");
-    std::fs::write(
-        &questions,
-        "{\"question_id\": \"HumanEval/0\", \"category\": \"coding\", \"turns\": [\"def f():\"]}\n\
-         {\"question_id\": 7, \"category\": \"coding\", \"turns\": [\"def g():\"]}\n",
-    )
-    .unwrap();
+    let questions = write_questions(
+        dir.path(),
+        &[
+            r#"{"question_id": "HumanEval/0", "category": "coding", "turns": ["def f():"]}"#.into(),
+            r#"{"question_id": 7, "category": "coding", "turns": ["def g():"]}"#.into(),
+        ],
+    );
     let json = dir.path().join("out.json");
-    let bench = |json: &std::path::Path| {
-        let out = run(
-            "headway-serve",
-            &[
-                "bench",
-                "--target",
-                dir.path().to_str().unwrap(),
-                "--method",
-                "lookup",
-                "--questions",
-                questions.to_str().unwrap(),
-                "--max-new-tokens",
-                "5",
-                "--temperature",
-                "0.8",
-                "--min-p",
-                "0.05",
-                "--json",
-                json.to_str().unwrap(),
-            ],
-        );
-        assert!(out.status.success(), "{}", stderr(&out));
-        serde_json::from_str::<serde_json::Value>(&std::fs::read_to_string(json).unwrap()).unwrap()
+    let bench = |json: &Path| {
+        let sampling = ["--temperature", "0.8", "--min-p", "0.05"];
+        let args = [
+            &["--method", "lookup", "--max-new-tokens", "5"],
+            &sampling[..],
+        ]
+        .concat();
+        bench_report(dir.path().to_str().unwrap(), &questions, &args, json)
     };
     let report = bench(&json);
     let ids: Vec<&serde_json::Value> = report["per_prompt"]
@@ -436,7 +429,6 @@ fn a_target_spread_over_devices_decodes_as_on_one() {
     assert_eq!(generate("cpu,cpu"), generate("cpu"));
 
     // Speculative decoding on the spread target: tree verification and cache compaction.
-    let questions = dir.path().join("q.jsonl");
     let rows: Vec<String> = (0..3)
         .map(|i| {
             format!(
@@ -444,31 +436,21 @@ fn a_target_spread_over_devices_decodes_as_on_one() {
             )
         })
         .collect();
-    std::fs::write(&questions, rows.join("\n")).unwrap();
-    let json = dir.path().join("lookup.json");
-    let out = run(
-        "headway-serve",
-        &[
-            "bench",
-            "--target",
-            target,
-            "--device",
-            "cpu,cpu,cpu",
-            "--method",
-            "lookup",
-            "--questions",
-            questions.to_str().unwrap(),
-            "--limit",
-            "3",
-            "--max-new-tokens",
-            "24",
-            "--json",
-            json.to_str().unwrap(),
-        ],
+    let questions = write_questions(dir.path(), &rows);
+    let args = [
+        "--device",
+        "cpu,cpu,cpu",
+        "--method",
+        "lookup",
+        "--limit",
+        "3",
+    ];
+    let report = bench_report(
+        target,
+        &questions,
+        &[&args[..], &["--max-new-tokens", "24"]].concat(),
+        &dir.path().join("lookup.json"),
     );
-    assert!(out.status.success(), "{}", stderr(&out));
-    let report: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
     assert_eq!(report["identical_to_ar"], 3, "{report}");
 
     let mixed = run(

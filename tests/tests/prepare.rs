@@ -23,6 +23,15 @@ fn write_corpus(path: &Path) {
     std::fs::write(path, lines.join("\n")).unwrap();
 }
 
+/// A directory holding the tiny target (`target/`) and the corpus (`chats.jsonl`) the tests
+/// prepare.
+fn target_and_corpus() -> tempfile::TempDir {
+    let dir = tempfile::tempdir().unwrap();
+    write_tiny_model(&dir.path().join("target"), 3).unwrap();
+    write_corpus(&dir.path().join("chats.jsonl"));
+    dir
+}
+
 /// `headway-train prepare` of the corpus under `root` into `out`; with `abort_after`, killed
 /// after that many shards.
 fn prepare(root: &Path, out: &Path, abort_after: Option<usize>) -> Output {
@@ -70,10 +79,8 @@ fn killed_prepare_child() {
 
 #[test]
 fn a_killed_prepare_resumes_to_byte_identical_files() {
-    let dir = tempfile::tempdir().unwrap();
+    let dir = target_and_corpus();
     let root = dir.path();
-    write_tiny_model(&root.join("target"), 3).unwrap();
-    write_corpus(&root.join("chats.jsonl"));
     let out = root.join("features");
 
     let clean = prepare(root, &out, None);
@@ -144,11 +151,9 @@ fn a_killed_prepare_resumes_to_byte_identical_files() {
 
 #[test]
 fn verify_names_each_bad_shard_and_a_foreign_target() {
-    let dir = tempfile::tempdir().unwrap();
+    let dir = target_and_corpus();
     let root = dir.path();
-    write_tiny_model(&root.join("target"), 3).unwrap();
     write_tiny_model(&root.join("other"), 4).unwrap();
-    write_corpus(&root.join("chats.jsonl"));
     let out = root.join("features");
     assert!(prepare(root, &out, None).status.success());
     let features = out.to_str().unwrap();
@@ -195,10 +200,8 @@ fn verify_names_each_bad_shard_and_a_foreign_target() {
 
 #[test]
 fn three_prepare_slices_merge_into_the_single_runs_directory() {
-    let dir = tempfile::tempdir().unwrap();
+    let dir = target_and_corpus();
     let root = dir.path();
-    write_tiny_model(&root.join("target"), 3).unwrap();
-    write_corpus(&root.join("chats.jsonl"));
     let whole = root.join("whole");
     let out = prepare(root, &whole, None);
     assert!(out.status.success(), "{}", stderr(&out));
@@ -260,10 +263,8 @@ fn three_prepare_slices_merge_into_the_single_runs_directory() {
 
 #[test]
 fn a_layer_named_twice_is_refused_before_anything_is_written() {
-    let dir = tempfile::tempdir().unwrap();
+    let dir = target_and_corpus();
     let root = dir.path();
-    write_tiny_model(&root.join("target"), 3).unwrap();
-    write_corpus(&root.join("chats.jsonl"));
     let out = root.join("features");
     // `prepare_with` already asks for tap 1.
     let twice = prepare_with(root, &out, &["--layers", "1"], None);
@@ -279,10 +280,8 @@ fn a_layer_named_twice_is_refused_before_anything_is_written() {
 /// `cuda:0,cuda:1`) are the single device's, byte for byte.
 #[test]
 fn features_from_a_target_spread_over_devices_are_the_same() {
-    let dir = tempfile::tempdir().unwrap();
+    let dir = target_and_corpus();
     let root = dir.path();
-    write_tiny_model(&root.join("target"), 3).unwrap();
-    write_corpus(&root.join("chats.jsonl"));
     let (one, two) = (root.join("one"), root.join("two"));
     let single = prepare_with(root, &one, &["--device", "cpu"], None);
     assert!(single.status.success(), "{}", stderr(&single));
