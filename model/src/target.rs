@@ -90,8 +90,7 @@ pub struct TargetArgs {
     /// Target model: an HF-style directory with config.json, model.safetensors (or an index of
     /// shards), tokenizer.json and tokenizer_config.json, or a GGUF file (its Q4_0, Q4_1, Q5_0,
     /// Q8_0, Q4_K and Q6_K matrices run quantised on the CPU, other types dequantised). Default:
-    /// the embedded SmolLM2-135M-Instruct under
-    /// $HEADWAY_HOME/models (made by `make model`).
+    /// the embedded SmolLM2-135M-Instruct under $HEADWAY_HOME/models (made by `make model`).
     #[arg(long, env = "HEADWAY_TARGET")]
     pub target: Option<PathBuf>,
     /// Where to run: cpu, cuda or cuda:N; or a list, cuda:0,cuda:1,…, to spread the layers over
