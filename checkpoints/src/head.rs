@@ -3,7 +3,7 @@
 use std::path::Path;
 
 use headway_heads::{DraftVocab, Eagle3Config, Eagle3Head, EagleConfig, EagleHead, MedusaHeads};
-use headway_model::fingerprint::target_fingerprint;
+use headway_model::fingerprint::{target_identity, Kinship};
 use headway_model::Target;
 
 use crate::{invalid, load, Checkpoint, HeadKind, Result};
@@ -32,13 +32,16 @@ pub struct LoadedHead {
     /// The reduced vocabulary the head drafts over, if it was trained with one.
     pub draft_vocab: Option<DraftVocab>,
     pub checkpoint: Checkpoint,
+    /// How the target it runs on relates to the one it was trained on (callers tell the user
+    /// when it is not the same file).
+    pub kinship: Kinship,
 }
 
 /// Loads the checkpoint at `path` (or a training directory's latest), checks that it was trained
 /// on `target` (fingerprint) and builds the head around the target's frozen embedding and LM head.
 pub fn load_head(path: &Path, target: &Target) -> Result<LoadedHead> {
     let checkpoint = load(path)?;
-    checkpoint.check_target(&target_fingerprint(&target.path)?)?;
+    let kinship = checkpoint.check_target(&target_identity(&target.path)?)?;
     let draft_vocab = checkpoint
         .config
         .draft_vocab
@@ -90,5 +93,6 @@ pub fn load_head(path: &Path, target: &Target) -> Result<LoadedHead> {
         head,
         draft_vocab,
         checkpoint,
+        kinship,
     })
 }

@@ -20,7 +20,7 @@ use std::path::{Path, PathBuf};
 
 use headway_heads::MedusaConfig;
 use headway_model::files::{remove_stale_temp_files, write_bytes_atomically};
-use headway_model::fingerprint::bytes_sha256;
+use headway_model::fingerprint::{bytes_sha256, Kinship, TargetIdentity};
 use headway_model::safetensors_io::{from_safetensors_bytes, to_safetensors_bytes};
 use headway_model::ModelError;
 use serde::{Deserialize, Serialize};
@@ -126,6 +126,10 @@ impl HeadKind {
 #[serde(deny_unknown_fields)]
 pub struct TargetRef {
     pub fingerprint: String,
+    /// For a target directory converted from a GGUF, that file's fingerprint: the head then
+    /// serves on the GGUF too ([`headway_model::fingerprint::TargetIdentity::kinship`]).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub converted_from: Option<String>,
     pub dir: String,
     pub hidden_size: usize,
     pub vocab_size: usize,
@@ -355,17 +359,29 @@ fn training_checksums(dir: &Path) -> Result<Option<serde_json::Value>> {
     Ok(Some(checksums))
 }
 
-impl Checkpoint {
-    /// Checks that the head was trained on the target with `fingerprint`.
-    pub fn check_target(&self, fingerprint: &str) -> Result<()> {
-        if self.config.target.fingerprint == fingerprint {
-            return Ok(());
+impl TargetRef {
+    /// The identity of the target the head was trained on.
+    pub fn identity(&self) -> TargetIdentity {
+        TargetIdentity {
+            fingerprint: self.fingerprint.clone(),
+            converted_from: self.converted_from.clone(),
         }
-        Err(CheckpointError::TargetMismatch {
-            path: self.dir.clone(),
-            expected: self.config.target.fingerprint.clone(),
-            found: fingerprint.to_string(),
-        })
+    }
+}
+
+impl Checkpoint {
+    /// Checks that the head was trained on `target`, or on the same GGUF in another form (its
+    /// conversion, or the file a converted target came from), and says which.
+    pub fn check_target(&self, target: &TargetIdentity) -> Result<Kinship> {
+        self.config
+            .target
+            .identity()
+            .kinship(target)
+            .ok_or_else(|| CheckpointError::TargetMismatch {
+                path: self.dir.clone(),
+                expected: self.config.target.fingerprint.clone(),
+                found: target.fingerprint.clone(),
+            })
     }
 }
 
@@ -385,6 +401,7 @@ mod tests {
             },
             target: TargetRef {
                 fingerprint: "sha256:abc".into(),
+                converted_from: Some("sha256:gguf".into()),
                 dir: "/t".into(),
                 hidden_size: 4,
                 vocab_size: 10,
@@ -419,8 +436,20 @@ mod tests {
         let (optimizer, state) = load_training_state(&older.dir).unwrap();
         assert!(optimizer["m.w"].equal(&w.ones_like()));
         assert_eq!(state["step"], 5);
-        assert!(older.check_target("sha256:abc").is_ok());
-        let err = older.check_target("sha256:def").unwrap_err().to_string();
+        let served = |fingerprint: &str| TargetIdentity {
+            fingerprint: fingerprint.into(),
+            converted_from: None,
+        };
+        assert_eq!(
+            older.check_target(&served("sha256:abc")).unwrap(),
+            Kinship::Same
+        );
+        let on_the_gguf = older.check_target(&served("sha256:gguf")).unwrap();
+        assert!(matches!(on_the_gguf, Kinship::SameSource(note) if note.contains("sha256:abc")));
+        let err = older
+            .check_target(&served("sha256:def"))
+            .unwrap_err()
+            .to_string();
         assert!(
             err.contains("sha256:abc") && err.contains("sha256:def"),
             "{err}"

@@ -5,11 +5,12 @@ use std::path::PathBuf;
 /// Errors from loading, converting or running a target model.
 #[derive(Debug, thiserror::Error)]
 pub enum ModelError {
-    #[error("{path}: {source}")]
+    /// The I/O error is part of the message, not a source: a chain printed with `{:#}` would
+    /// otherwise say it twice.
+    #[error("{path}: {error}")]
     Io {
         path: PathBuf,
-        #[source]
-        source: std::io::Error,
+        error: std::io::Error,
     },
     #[error("{path}: invalid JSON: {source}")]
     Json {
@@ -63,7 +64,7 @@ impl ModelError {
     pub fn io(path: impl Into<PathBuf>, source: std::io::Error) -> Self {
         Self::Io {
             path: path.into(),
-            source,
+            error: source,
         }
     }
 }

@@ -32,6 +32,28 @@ pub fn default_target_dir() -> PathBuf {
     headway_home().join("models").join(DEFAULT_TARGET_NAME)
 }
 
+/// The error for a target that is not there, naming what was looked for: a GGUF file (by its
+/// extension) or a model directory, and how to make the embedded default.
+pub fn missing_target(path: &Path) -> ModelError {
+    let is_gguf = path
+        .extension()
+        .is_some_and(|e| e.eq_ignore_ascii_case("gguf"));
+    let what = if is_gguf {
+        "no such GGUF file"
+    } else {
+        "no such target model directory"
+    };
+    let hint = if path == default_target_dir() {
+        " (the embedded default: run `make model`)"
+    } else {
+        ""
+    };
+    ModelError::io(
+        path,
+        std::io::Error::new(std::io::ErrorKind::NotFound, format!("{what}{hint}")),
+    )
+}
+
 /// Parses `cpu`, `cuda` or `cuda:N`; `cuda` when no GPU is usable is an error, not a silent CPU run.
 pub fn parse_device(text: &str) -> Result<Device> {
     let device = match text {
@@ -127,13 +149,7 @@ impl TargetParts {
     /// are read by [`Target::load`]).
     pub fn from_dir(dir: &Path) -> Result<Self> {
         if !dir.is_dir() {
-            return Err(ModelError::io(
-                dir,
-                std::io::Error::new(
-                    std::io::ErrorKind::NotFound,
-                    "target model directory not found (for the embedded default run `make model`)",
-                ),
-            ));
+            return Err(missing_target(dir));
         }
         Ok(Self {
             path: dir.to_path_buf(),
@@ -304,5 +320,18 @@ mod tests {
             [Device::Cpu, Device::Cpu]
         );
         assert!(parse_devices("cpu,gpu").is_err());
+    }
+
+    #[test]
+    fn a_missing_target_is_named_as_a_file_or_a_directory() {
+        let file = missing_target(Path::new("/nonexistent.gguf")).to_string();
+        assert_eq!(file, "/nonexistent.gguf: no such GGUF file");
+        let dir = missing_target(Path::new("/nonexistent")).to_string();
+        assert_eq!(dir, "/nonexistent: no such target model directory");
+        let default = missing_target(&default_target_dir()).to_string();
+        assert!(
+            default.ends_with("(the embedded default: run `make model`)"),
+            "{default}"
+        );
     }
 }

@@ -12,6 +12,7 @@ use headway_engine::drafters::{EagleTreeShape, LookupDrafter};
 use headway_engine::tree::TreeChoices;
 use headway_engine::{DraftPlan, ModelDraft};
 use headway_heads::FeatureHead;
+use headway_model::fingerprint::Kinship;
 use headway_model::Target;
 
 /// Decoding methods.
@@ -212,8 +213,14 @@ impl DraftArgs {
             bail!("--method {} needs --heads CKPT", self.method.name());
         };
         let LoadedHead {
-            head, draft_vocab, ..
+            head,
+            draft_vocab,
+            kinship,
+            ..
         } = load_head(path, target).with_context(|| format!("--heads {}", path.display()))?;
+        if let Kinship::SameSource(note) = kinship {
+            tracing::info!("--heads {}: {note}", path.display());
+        }
         match pick(head) {
             Ok(heads) => Ok((heads, draft_vocab.map(|v| v.d2t))),
             Err(found) => bail!(

@@ -66,37 +66,103 @@ fn logits_stay_close_to_the_dequantised_model_and_keep_its_top_token() {
     );
 }
 
+/// `headway-serve generate` on the GGUF, greedy, 96 new tokens with `method` and `extra` flags:
+/// (stdout, stderr), or the failure's stderr.
+fn generate_on_the_gguf(method: &str, extra: &[&str]) -> Result<(String, String), String> {
+    let gguf = real_gguf_path();
+    let mut args = vec![
+        "generate",
+        "--target",
+        gguf.to_str().unwrap(),
+        "--threads",
+        "2",
+        "--chat",
+        "--prompt",
+        "List the planets of the solar system, one per line, then list them again.",
+        "--max-new-tokens",
+        "96",
+        "--method",
+        method,
+    ];
+    args.extend_from_slice(extra);
+    let out = run("headway-serve", &args);
+    match out.status.success() {
+        true => Ok((stdout(&out), stderr(&out))),
+        false => Err(stderr(&out)),
+    }
+}
+
 /// Greedy output on the GGUF is the same with and without prompt-lookup drafting (trees verified
 /// on the quantised kernels give decoding's bits).
 #[test]
 fn lookup_drafting_on_the_gguf_equals_its_plain_greedy_decoding() {
-    let gguf = real_gguf_path();
-    let answer = |method: &str| {
-        let out = run(
-            "headway-serve",
-            &[
-                "generate",
-                "--target",
-                gguf.to_str().unwrap(),
-                "--threads",
-                "2",
-                "--chat",
-                "--prompt",
-                "List the planets of the solar system, one per line, then list them again.",
-                "--max-new-tokens",
-                "96",
-                "--method",
-                method,
-            ],
-        );
-        assert!(out.status.success(), "{method}: {}", stderr(&out));
-        (stdout(&out), stderr(&out))
-    };
-    let (plain, _) = answer("ar");
-    let (drafted, report) = answer("lookup");
+    let (plain, _) = generate_on_the_gguf("ar", &[]).expect("ar");
+    let (drafted, report) = generate_on_the_gguf("lookup", &[]).expect("lookup");
     assert_eq!(
         drafted, plain,
         "lookup drafting changed the output ({report})"
     );
     assert!(plain.contains("Mars"), "{plain}");
+}
+
+/// The committed heads were trained on the GGUF's conversion: they serve on the GGUF itself
+/// (the loader says so), and their trees, verified on the quantised kernels, leave greedy output
+/// unchanged, with lookup's chain grafted on too.
+#[test]
+fn heads_trained_on_the_conversion_serve_on_the_gguf_and_keep_its_greedy_output() {
+    let (plain, _) = generate_on_the_gguf("ar", &[]).expect("ar");
+    let pretrained = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../pretrained");
+    for (method, head) in [
+        ("eagle", "smollm2-135m-eagle"),
+        ("eagle3", "smollm2-135m-eagle3"),
+    ] {
+        let heads = pretrained.join(head);
+        let heads = heads.to_str().unwrap();
+        for lookup in [&[][..], &["--with-lookup"][..]] {
+            let flags = [&["--heads", heads, "--tree-tokens", "8"][..], lookup].concat();
+            let (drafted, report) = generate_on_the_gguf(method, &flags)
+                .unwrap_or_else(|e| panic!("{method} {lookup:?} refused: {e}"));
+            assert_eq!(
+                drafted, plain,
+                "{method} {lookup:?} changed the output ({report})"
+            );
+            assert!(
+                report.contains("made on the conversion of this GGUF"),
+                "{method}: the loader names the conversion ({report})"
+            );
+        }
+    }
+}
+
+/// A head for another model is still refused on the GGUF, naming both fingerprints.
+#[test]
+fn a_head_for_another_model_is_refused_on_the_gguf_naming_both() {
+    let dir = tempfile::tempdir().unwrap();
+    let head =
+        std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../pretrained/smollm2-135m-eagle3");
+    let foreign = dir.path().join("head");
+    std::fs::create_dir(&foreign).unwrap();
+    std::fs::copy(
+        head.join("model.safetensors"),
+        foreign.join("model.safetensors"),
+    )
+    .unwrap();
+    let config = std::fs::read_to_string(head.join("config.json")).unwrap();
+    let (trained_on, source) = (
+        "sha256:54631fac4e30fba1e23dff7ba996f0d49fd7c682f693216b2a7faca19e8874a9",
+        "sha256:47586659775f81015dc34874c0880be525f1d960b86c1015523edb3b95a0afcd",
+    );
+    assert!(
+        config.contains(trained_on) && config.contains(source),
+        "the committed head"
+    );
+    let other = format!("sha256:{}", "ab".repeat(32));
+    let config = config.replace(trained_on, &other).replace(source, &other);
+    std::fs::write(foreign.join("config.json"), config).unwrap();
+    let error = generate_on_the_gguf("eagle3", &["--heads", foreign.to_str().unwrap()])
+        .expect_err("a head for another model");
+    assert!(
+        error.contains(&other) && error.contains(source),
+        "names the head's target and the GGUF: {error}"
+    );
 }

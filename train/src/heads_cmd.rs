@@ -12,7 +12,7 @@ use headway_heads::eagle::balanced_embed_scale;
 use headway_heads::{
     DraftVocab, Eagle3Config, Eagle3Head, EagleConfig, EagleHead, MedusaConfig, MedusaHeads,
 };
-use headway_model::fingerprint::target_fingerprint;
+use headway_model::fingerprint::{target_identity, TargetIdentity};
 use headway_model::{Target, TargetArgs};
 use tch::{Kind, Tensor};
 
@@ -218,7 +218,7 @@ pub struct EvalArgs {
 struct Setup {
     target: Target,
     features: FeatureSet,
-    fingerprint: String,
+    identity: TargetIdentity,
 }
 
 fn setup(args: &TargetArgs, features: &Path) -> anyhow::Result<Setup> {
@@ -233,12 +233,12 @@ fn setup(args: &TargetArgs, features: &Path) -> anyhow::Result<Setup> {
             slice.count
         );
     }
-    let fingerprint = target_fingerprint(&target.path)?;
-    features.check_target(&fingerprint, &target.path)?;
+    let identity = target_identity(&target.path)?;
+    features.check_target(&identity.fingerprint, &target.path)?;
     Ok(Setup {
         target,
         features,
-        fingerprint,
+        identity,
     })
 }
 
@@ -333,7 +333,8 @@ fn checkpoint_config(
         format: CHECKPOINT_FORMAT.to_string(),
         head,
         target: TargetRef {
-            fingerprint: setup.fingerprint.clone(),
+            fingerprint: setup.identity.fingerprint.clone(),
+            converted_from: setup.identity.converted_from.clone(),
             dir: setup.target.path.display().to_string(),
             hidden_size: c.hidden_size,
             vocab_size: c.vocab_size,
@@ -539,6 +540,7 @@ pub fn run_eval(args: EvalArgs) -> anyhow::Result<()> {
         head,
         draft_vocab: draft,
         checkpoint,
+        ..
     } = load_head(&args.heads, &setup.target)?;
     let cpu = setup.target.cpu.batch();
     let mut objective: Box<dyn Objective> = match head {

@@ -26,7 +26,7 @@ use headway_checkpoints::{CheckpointConfig, HeadKind, TargetRef, CHECKPOINT_FORM
 use headway_datasets::TorchFile;
 use headway_heads::eagle::fold_embed_scale;
 use headway_heads::{Eagle3Config, EagleConfig, MedusaConfig};
-use headway_model::fingerprint::target_fingerprint;
+use headway_model::fingerprint::target_identity;
 use headway_model::safetensors_io::{from_safetensors_bytes, to_pytorch_safetensors_bytes};
 use headway_model::weights::weight_files;
 use headway_model::{ModelConfig, SafetensorsWeights};
@@ -208,7 +208,7 @@ const EAGLE_REPO_ROPE_THETA: f64 = 10_000.0;
 pub fn run_export(args: ExportArgs) -> anyhow::Result<()> {
     let checkpoint = headway_checkpoints::load(&args.heads)?;
     let target = target_dir(&args.target);
-    checkpoint.check_target(&target_fingerprint(&target)?)?;
+    checkpoint.check_target(&target_identity(&target)?)?;
     std::fs::create_dir_all(&args.out)
         .with_context(|| format!("creating {}", args.out.display()))?;
     // What an export killed mid-write left; its files are all rewritten below.
@@ -651,11 +651,13 @@ pub fn run_import(args: ImportArgs) -> anyhow::Result<()> {
     for tensor in weights.values_mut() {
         *tensor = tensor.to_kind(Kind::Float);
     }
+    let identity = target_identity(&target)?;
     let checkpoint = CheckpointConfig {
         format: CHECKPOINT_FORMAT.to_string(),
         head,
         target: TargetRef {
-            fingerprint: target_fingerprint(&target)?,
+            fingerprint: identity.fingerprint,
+            converted_from: identity.converted_from,
             dir: target.display().to_string(),
             hidden_size: target_config.hidden_size,
             vocab_size: target_config.vocab_size,

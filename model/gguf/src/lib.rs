@@ -31,6 +31,7 @@ pub use native::{load_target, open_target, open_target_placed, target_parts};
 
 use file::GgufFile;
 use headway_model::files::{write_atomically, write_bytes_atomically};
+use headway_model::fingerprint::{write_conversion_record, CONVERSION_RECORD_FILE};
 use headway_model::{Dtype, ModelError, Result};
 use hf_config::GgufArchitecture;
 
@@ -59,7 +60,8 @@ const TOKENIZER_FILE: &str = "tokenizer.json";
 const TOKENIZER_CONFIG_FILE: &str = "tokenizer_config.json";
 
 /// Converts the GGUF file `gguf` into an HF model directory `out_dir` (created if needed; files
-/// already there under the same names are replaced).
+/// already there under the same names are replaced), with a record of the file it came from
+/// ([`CONVERSION_RECORD_FILE`]: heads made on one serve on the other).
 ///
 /// Errors name the file and the metadata key or tensor at fault: [`ModelError::Gguf`] for
 /// unreadable or truncated files, missing or ill-typed metadata, tensor shapes that contradict the
@@ -79,7 +81,14 @@ pub fn convert_gguf(gguf: &Path, out_dir: &Path, dtype: Dtype) -> Result<Convert
         arch.hf_class()
     );
     let converted = tensors::convert(&mut file, &plans, dtype)?;
-    let written = write_outputs(out_dir, &config, &tokenizer, &converted.tensors)?;
+    let mut written = write_outputs(out_dir, &config, &tokenizer, &converted.tensors)?;
+    // Last, so that a record exists only beside a complete conversion.
+    write_conversion_record(out_dir, gguf)?;
+    let record = out_dir.join(CONVERSION_RECORD_FILE);
+    let record_bytes = std::fs::metadata(&record)
+        .map_err(|e| ModelError::io(&record, e))?
+        .len();
+    written.push((record, record_bytes));
     Ok(ConvertSummary {
         architecture: arch.hf_class().to_string(),
         tensors: converted.tensors.len(),

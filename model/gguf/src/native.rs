@@ -15,7 +15,7 @@ use tch::{Device, Kind, Tensor};
 use headway_model::config::HfConfig;
 use headway_model::linear::Matrix;
 use headway_model::quant_gguf::GgufBlocks;
-use headway_model::target::{parse_devices, TargetParts};
+use headway_model::target::{missing_target, parse_devices, TargetParts};
 use headway_model::{
     ChatTemplate, CpuThreads, Dtype, ModelError, Result, Target, TargetArgs, TextTokenizer,
     WeightSource,
@@ -30,12 +30,9 @@ use crate::tokenizer;
 /// `--dtype`, on `--threads` CPU threads: the one way the binaries open a target.
 pub fn load_target(args: &TargetArgs) -> Result<Target> {
     let devices = parse_devices(&args.device)?;
-    open_target_placed(
-        &args.path(),
-        args.dtype.kind(),
-        &devices,
-        CpuThreads::new(args.threads),
-    )
+    let path = args.path();
+    let cpu = CpuThreads::checked(args.threads)?;
+    open_target_placed(&path, args.dtype.kind(), &devices, cpu)
 }
 
 /// Opens `path`: a GGUF file natively, anything else as an HF model directory.
@@ -50,6 +47,9 @@ pub fn open_target_placed(
     devices: &[Device],
     cpu: CpuThreads,
 ) -> Result<Target> {
+    if !path.exists() {
+        return Err(missing_target(path));
+    }
     if !path.is_file() {
         return Target::load_placed(path, kind, devices, cpu);
     }
@@ -73,6 +73,9 @@ pub fn open_target_placed(
 /// The configuration, tokenizer and chat template of a target (a model directory or a GGUF
 /// file) without its weights: what a server needs to validate and tokenize requests.
 pub fn target_parts(path: &Path) -> Result<TargetParts> {
+    if !path.exists() {
+        return Err(missing_target(path));
+    }
     if !path.is_file() {
         return TargetParts::from_dir(path);
     }

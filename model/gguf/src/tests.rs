@@ -376,11 +376,18 @@ fn llama_gguf_converts_to_a_directory_the_runtime_loads() {
         written,
         [
             "config.json",
+            "converted_from.json",
             "model.safetensors",
             "tokenizer.json",
             "tokenizer_config.json"
         ],
         "no temporary files may be left behind"
+    );
+    let identity = headway_model::fingerprint::target_identity(&out).expect("identity");
+    assert_eq!(
+        identity.converted_from,
+        Some(headway_model::fingerprint::target_fingerprint(&path).expect("fingerprint")),
+        "the conversion names the GGUF it came from"
     );
 
     let config = read_json(&out.join("config.json"));
