@@ -42,6 +42,7 @@ pub use dtype::Dtype;
 pub use error::{ModelError, Result};
 pub use generate::{check_request, generate, generate_batch, Generation, StopReason};
 pub use kv_cache::KvCache;
+pub use linear::ROW_KERNEL_MAX_ROWS;
 pub use llama::{
     AttentionInput, CausalLm, DecoderLayer, ForwardInput, ForwardOutput, Llama, LmHead, RmsNorm,
     Rotary,

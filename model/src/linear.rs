@@ -366,14 +366,15 @@ fn split_columns(
 }
 
 /// Products with up to this many rows run on [`row_kernel`] (it streams the weight once; `gemm`
-/// first packs it), larger ones on `gemm`. 64 is the largest tree `--tree-tokens` verifies: every
+/// first packs it), larger ones on `gemm`. 64 is the most rows a step verifies: every
 /// verified row must take the kernel decoding takes, whatever the tree size, for its logits to be
 /// bit-identical to decoding's. `cargo run --release -p headway-model --example row_kernel`
 /// (30 × (1536 × 576) products, one thread), ms row kernel vs gemm: 1 row 4.0 vs 4.6, 2 rows 3.8
 /// vs 13.9, 4 rows 4.6 vs 14.3, 8 rows 8.6 vs 16.8, 13 rows 14.1 vs 19.3, 16 rows 19.8 vs 19.5,
 /// 20 rows 24.6 vs 22.2, 32 rows 31.8 vs 28.1: past 16 rows the kernel costs up to 13 % more than
-/// `gemm` would, the price of exactness.
-pub(crate) const ROW_KERNEL_MAX_ROWS: usize = 64;
+/// `gemm` would, the price of exactness. A draft plan that could verify more rows in one step
+/// (root, tree and a grafted lookup chain) is refused (`headway_engine::DraftPlan`).
+pub const ROW_KERNEL_MAX_ROWS: usize = 64;
 
 /// Whether a product of `rows` rows runs on the row kernel.
 fn streams(rows: usize) -> bool {

@@ -13,7 +13,7 @@ use headway_engine::tree::TreeChoices;
 use headway_engine::{DraftPlan, ModelDraft};
 use headway_heads::FeatureHead;
 use headway_model::fingerprint::Kinship;
-use headway_model::Target;
+use headway_model::{Target, ROW_KERNEL_MAX_ROWS};
 
 /// Decoding methods.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
@@ -125,8 +125,11 @@ impl std::fmt::Display for TreeTokens {
     }
 }
 
-/// The largest tree `--tree-tokens auto` considers.
-const AUTO_MAX_TREE_TOKENS: usize = 64;
+/// The largest tree `--tree-tokens auto` considers beside `lookup`'s chain: what fits, with the
+/// root, in the rows verified exactly.
+fn auto_max_tree_tokens(lookup: Option<&LookupDrafter>) -> usize {
+    (ROW_KERNEL_MAX_ROWS - 1).saturating_sub(lookup.map_or(0, |l| l.num_tokens))
+}
 
 /// New tokens of each `--tree-tokens auto` warm-up prompt.
 const WARM_UP_TOKENS: usize = 48;
@@ -170,14 +173,36 @@ impl DraftArgs {
         let with_lookup = self.with_lookup.then(|| self.lookup());
         let (draft, tuning) = match self.method {
             Method::Ar => return Ok((DraftPlan::Ar, None)),
-            Method::Lookup => return Ok((DraftPlan::Lookup(self.lookup()), None)),
+            Method::Lookup => {
+                let plan = DraftPlan::Lookup(self.lookup());
+                plan.check_rows().with_context(|| self.row_flags())?;
+                return Ok((plan, None));
+            }
             Method::Draft => (self.draft_model(target)?, None),
             Method::Eagle => self.eagle(target, with_lookup.as_ref(), warm_up)?,
             Method::Eagle3 => self.eagle3(target, with_lookup.as_ref(), warm_up)?,
             Method::Medusa => self.medusa(target, with_lookup.as_ref(), warm_up)?,
         };
         let draft = Box::new(draft);
-        Ok((DraftPlan::Model { draft, with_lookup }, tuning))
+        let plan = DraftPlan::Model { draft, with_lookup };
+        plan.check_rows().with_context(|| self.row_flags())?;
+        Ok((plan, tuning))
+    }
+
+    /// The flags that decide how many rows a step verifies, as given.
+    fn row_flags(&self) -> String {
+        let drafts = match (self.method, &self.tree) {
+            (Method::Draft | Method::Lookup, _) => format!("--draft-tokens {}", self.draft_tokens),
+            (Method::Medusa, Some(tree)) => format!("--tree {}", tree.display()),
+            _ => format!("--tree-tokens {}", self.tree_tokens),
+        };
+        match self.with_lookup {
+            true => format!(
+                "{drafts} --with-lookup --draft-tokens {}",
+                self.draft_tokens
+            ),
+            false => drafts,
+        }
     }
 
     /// The prompt-lookup drafter these options describe.
@@ -277,7 +302,7 @@ impl DraftArgs {
         let widest = EagleTreeShape {
             depth: self.depth,
             top_k: self.tree_top_k,
-            tree_tokens: AUTO_MAX_TREE_TOKENS,
+            tree_tokens: auto_max_tree_tokens(lookup),
         };
         Ok(match self.tree_tokens {
             TreeTokens::Fixed(tree_tokens) => (
@@ -321,7 +346,7 @@ impl DraftArgs {
             ),
             (None, TreeTokens::Auto) => {
                 let d2t = d2t.as_deref();
-                let max = AUTO_MAX_TREE_TOKENS;
+                let max = auto_max_tree_tokens(lookup);
                 let (choices, tuning) =
                     tune_medusa(target, &heads, d2t, max, lookup, warm_up, WARM_UP_TOKENS)?;
                 (choices, Some(tuning))

@@ -256,6 +256,77 @@ fn with_lookup_needs_a_model_drafter() {
     }
 }
 
+/// Steps past the 64 rows verified exactly are refused up front, naming the flags; 64 rows run.
+#[test]
+fn plans_past_the_exact_rows_are_refused_naming_their_flags() {
+    let dir = tempfile::tempdir().unwrap();
+    write_tiny_model(dir.path(), 3).unwrap();
+    let target = dir.path().to_str().unwrap();
+    let generate = |flags: &[&str]| {
+        let args = [
+            &[
+                "generate",
+                "--target",
+                target,
+                "--prompt",
+                "x",
+                "--max-new-tokens",
+                "4",
+            ][..],
+            flags,
+        ];
+        run("headway-serve", &args.concat())
+    };
+    for flags in [
+        &["--method", "lookup", "--draft-tokens", "64"][..],
+        &[
+            "--method",
+            "draft",
+            "--draft-model",
+            target,
+            "--draft-tokens",
+            "64",
+        ][..],
+    ] {
+        let out = generate(flags);
+        assert!(!out.status.success(), "{flags:?} was accepted");
+        let error = stderr(&out);
+        assert!(
+            error.contains("--draft-tokens 64") && error.contains("65 rows"),
+            "{flags:?}: {error}"
+        );
+    }
+    let out = generate(&["--method", "lookup", "--draft-tokens", "63"]);
+    assert!(out.status.success(), "64 rows: {}", stderr(&out));
+}
+
+/// More threads than cores are refused (999 spinning workers on 2 cores took minutes a token),
+/// and a missing GGUF is named as a file.
+#[test]
+fn too_many_threads_and_a_missing_gguf_are_named() {
+    let out = run(
+        "headway-serve",
+        &["generate", "--prompt", "x", "--threads", "999"],
+    );
+    assert!(!out.status.success());
+    assert!(
+        stderr(&out).contains("--threads: 999 is more than the"),
+        "{}",
+        stderr(&out)
+    );
+    let out = run(
+        "headway-serve",
+        &["generate", "--prompt", "x", "--target", "/nonexistent.gguf"],
+    );
+    assert!(!out.status.success());
+    let error = stderr(&out);
+    assert!(
+        error.contains("/nonexistent.gguf: no such GGUF file"),
+        "{error}"
+    );
+    assert!(!error.contains("directory"), "{error}");
+}
+
 #[test]
 fn bench_writes_the_documented_json_fields() {
     let dir = tempfile::tempdir().unwrap();

@@ -30,8 +30,9 @@ use crate::engine::generate_greedy;
 use crate::error::Result;
 use crate::tree::{DraftTree, TreeChoices};
 
-/// Tree sizes tried.
-const TREE_SIZES: [usize; 11] = [1, 2, 4, 6, 8, 12, 16, 24, 32, 48, 64];
+/// Tree sizes tried: up to 63 nodes, which with the root fill the 64 rows verified exactly
+/// (`ROW_KERNEL_MAX_ROWS`).
+const TREE_SIZES: [usize; 11] = [1, 2, 4, 6, 8, 12, 16, 24, 32, 48, 63];
 
 /// Target forward seconds by number of new tokens.
 #[derive(Debug, Clone, serde::Serialize)]

@@ -4,13 +4,13 @@
 //! cannot fail on a missing piece.
 
 use headway_heads::{Eagle3Head, EagleHead, MedusaHeads};
-use headway_model::Target;
+use headway_model::{Target, ROW_KERNEL_MAX_ROWS};
 
 use crate::drafters::{
     DraftModelDrafter, Drafter, EagleDrafter, EagleTreeShape, LookupDrafter, MedusaDrafter,
     NoDrafter, WithLookup,
 };
-use crate::error::Result;
+use crate::error::{EngineError, Result};
 use crate::tree::TreeChoices;
 
 /// A model that drafts, with its tree.
@@ -40,6 +40,15 @@ pub enum ModelDraft {
 }
 
 impl ModelDraft {
+    /// The most tokens it proposes in one step.
+    fn max_nodes(&self) -> usize {
+        match self {
+            Self::DraftModel { tokens, .. } => *tokens,
+            Self::Eagle { shape, .. } | Self::Eagle3 { shape, .. } => shape.tree_tokens,
+            Self::Medusa { choices, .. } => choices.paths().len(),
+        }
+    }
+
     fn name(&self) -> &'static str {
         match self {
             Self::DraftModel { .. } => "draft",
@@ -82,6 +91,36 @@ impl DraftPlan {
         }
     }
 
+    /// The most rows one verification takes: the root, the drafted tree and a grafted lookup
+    /// chain (its first tokens may share the tree's nodes, not more).
+    pub fn max_verified_rows(&self) -> usize {
+        1 + match self {
+            Self::Ar => 0,
+            Self::Lookup(lookup) => lookup.num_tokens,
+            Self::Model { draft, with_lookup } => {
+                draft.max_nodes() + with_lookup.map_or(0, |lookup| lookup.num_tokens)
+            }
+        }
+    }
+
+    /// Refuses a plan whose verification could take more rows than the CPU computes by
+    /// decoding's own steps ([`ROW_KERNEL_MAX_ROWS`]): past them greedy output would no longer
+    /// be plain decoding's bit for bit.
+    pub fn check_rows(&self) -> Result<()> {
+        let rows = self.max_verified_rows();
+        if rows <= ROW_KERNEL_MAX_ROWS {
+            return Ok(());
+        }
+        Err(EngineError::Invalid {
+            field: "tree",
+            message: format!(
+                "{} verifies up to {rows} rows a step (the root, its drafts and any lookup chain); \
+                 the exact path covers {ROW_KERNEL_MAX_ROWS}: draft fewer tokens",
+                self.label()
+            ),
+        })
+    }
+
     /// Whether this is plain decoding.
     pub fn is_ar(&self) -> bool {
         matches!(self, Self::Ar)
@@ -94,6 +133,7 @@ impl DraftPlan {
         target: &'a Target,
         capacity: usize,
     ) -> Result<Box<dyn Drafter + 'a>> {
+        self.check_rows()?;
         Ok(match self {
             Self::Ar => Box::new(NoDrafter),
             Self::Lookup(lookup) => Box::new(*lookup),
