@@ -84,6 +84,28 @@ impl Matrix {
         }
     }
 
+    /// The bytes [`Self::bytes`] counts, as the kernels read them (a quantised matrix's parts
+    /// one after another), for `read` to stream: a read-rate probe over the very pages a step
+    /// reads. Dense values must be on the CPU and contiguous.
+    pub fn for_each_region<'a>(&'a self, read: &mut impl FnMut(&'a [u8])) {
+        match self {
+            Self::Dense(tensor) => {
+                assert!(
+                    tensor.device() == Device::Cpu && tensor.is_contiguous(),
+                    "a contiguous CPU matrix"
+                );
+                // SAFETY: checked above: `bytes()` contiguous bytes, borrowed for as long as the
+                // tensor (`self`).
+                read(unsafe {
+                    std::slice::from_raw_parts(tensor.data_ptr() as *const u8, self.bytes())
+                })
+            }
+            Self::Quantised { blocks, .. } => {
+                blocks.parts().for_each(|(_, part)| read(part.data()))
+            }
+        }
+    }
+
     /// The same weights (shared, not copied).
     pub fn share(&self) -> Self {
         match self {

@@ -816,13 +816,18 @@ impl CausalLm {
     /// Bytes of weights one decoding step reads: every layer's matrices and the LM head. On a
     /// CPU, memory bandwidth over these bytes bounds the decoding rate.
     pub fn decode_step_bytes(&self) -> usize {
-        let layers: usize = self
-            .model
-            .layers
-            .iter()
-            .flat_map(DecoderLayer::linears)
-            .map(|linear| linear.matrix().bytes())
-            .sum();
-        layers + self.lm_head.matrix().bytes()
+        self.decode_step_matrices().map(Matrix::bytes).sum()
+    }
+
+    /// Whether any matrix a decoding step reads runs quantised (a GGUF's blocks).
+    pub fn runs_quantised(&self) -> bool {
+        self.decode_step_matrices()
+            .any(|m| matches!(m, Matrix::Quantised { .. }))
+    }
+
+    /// The matrices of [`Self::decode_step_bytes`], in the order a step reads them.
+    pub fn decode_step_matrices(&self) -> impl Iterator<Item = &Matrix> {
+        let layers = self.model.layers.iter().flat_map(DecoderLayer::linears);
+        layers.map(Linear::matrix).chain([self.lm_head.matrix()])
     }
 }

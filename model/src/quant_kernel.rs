@@ -132,6 +132,11 @@ impl PackedMatrix {
         self.data.len()
     }
 
+    /// The bytes the kernels stream, in the interleaved layout.
+    pub fn data(&self) -> &[u8] {
+        &self.data
+    }
+
     fn row_bytes(&self) -> usize {
         self.cols / BLOCK * self.format.block_bytes()
     }

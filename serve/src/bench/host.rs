@@ -1,11 +1,14 @@
 //! What the host allows: memory read bandwidth, and the decoding rate it bounds for the bytes a
 //! step reads; the process's resident memory.
 //!
-//! Hosts of one machine kind differ a lot (2-thread reads from ~10 to 38 GB/s), so absolute
-//! tokens/s do not travel between them; the fraction of the host's bandwidth limit does.
+//! Hosts of one machine kind differ a lot (2-thread reads from ~10 to 55 GB/s), and one host's
+//! rate drifts within a run, so absolute tokens/s do not travel between them; the fraction of the
+//! host's bandwidth limit does. The rate is measured on the weights themselves, again after every
+//! question, and the best kept: no run can then beat its own limit by the probe's bad luck.
 
 use std::time::Instant;
 
+use headway_model::CausalLm;
 use serde::{Deserialize, Serialize};
 
 /// Host figures of a bench run.
@@ -13,8 +16,13 @@ use serde::{Deserialize, Serialize};
 pub struct HostFigures {
     /// Threads that read together (the run's threads).
     pub threads: usize,
-    /// Bytes per second those threads read from memory, best of a few passes.
+    /// Bytes per second those threads read the step's weights, best of every probe of the run.
     pub read_bytes_per_s: f64,
+    /// Probes taken: one before the run and one after each question, so that a faster hour of a
+    /// shared host during the run raises the limit too (reports from before probes were counted
+    /// read 0).
+    #[serde(default)]
+    pub read_probes: usize,
     /// Weight bytes one decoding step reads.
     pub decode_step_bytes: usize,
     /// `read_bytes_per_s / decode_step_bytes`: decoding can go no faster.
@@ -23,27 +31,38 @@ pub struct HostFigures {
     /// (`None` where `/proc` does not tell).
     pub rss_bytes: Option<u64>,
     pub peak_rss_bytes: Option<u64>,
-    /// Whether the kernel's peak count restarted after the bandwidth buffer was freed.
+    /// Whether the kernel's peak count restarted after the weights were loaded.
     #[serde(skip)]
     peak_restarted: bool,
 }
 
 impl HostFigures {
-    /// Measures the read bandwidth of `threads` threads (a few hundred milliseconds), then
-    /// restarts the kernel's peak-RSS count so that the buffer it read is not counted.
-    pub fn measure(threads: usize, decode_step_bytes: usize) -> Self {
-        let read_bytes_per_s = read_bandwidth(threads.max(1));
-        // Best effort: without it the peak may include the buffer above, and is dropped.
+    /// Measures how fast `threads` threads read `model`'s decoding-step weights (a few passes
+    /// over them; no buffer of its own, so resident memory is the model's), and restarts the
+    /// kernel's peak-RSS count.
+    pub fn measure(threads: usize, model: &CausalLm) -> Self {
+        // Best effort: without it the peak counts what loading the weights held for a while.
         let peak_restarted = std::fs::write("/proc/self/clear_refs", "5").is_ok();
-        Self {
+        let mut host = Self {
             threads,
-            read_bytes_per_s,
-            decode_step_bytes,
-            limit_tokens_per_s: read_bytes_per_s / decode_step_bytes.max(1) as f64,
+            read_bytes_per_s: 0.0,
+            read_probes: 0,
+            decode_step_bytes: model.decode_step_bytes(),
+            limit_tokens_per_s: 0.0,
             rss_bytes: None,
             peak_rss_bytes: None,
             peak_restarted,
-        }
+        };
+        host.probe(model);
+        host
+    }
+
+    /// Reads the weights again and keeps the faster rate.
+    pub fn probe(&mut self, model: &CausalLm) {
+        let rate = read_rate(self.threads.max(1), &step_regions(model));
+        self.read_bytes_per_s = self.read_bytes_per_s.max(rate);
+        self.read_probes += 1;
+        self.limit_tokens_per_s = self.read_bytes_per_s / self.decode_step_bytes.max(1) as f64;
     }
 
     /// Records the resident set now and its peak.
@@ -58,10 +77,12 @@ impl HostFigures {
     pub fn describe(&self, decode_tokens_per_s: f64) -> String {
         let megabytes = |b: u64| format!("{:.0} MB", b as f64 / 1e6);
         format!(
-            "Host: {} threads read {:.1} GB/s; a decoding step reads {:.1} MB of weights, so at most \
-             {:.0} tokens/s; decoding ran {:.1} tokens/s, {:.0} % of that. Resident memory {}{}.\n",
+            "Host: {} threads read the weights at {:.1} GB/s (best of {} probes); a decoding step \
+             reads {:.1} MB of them, so at most {:.0} tokens/s; decoding ran {:.1} tokens/s, {:.0} % \
+             of that. Resident memory {}{}.\n",
             self.threads,
             self.read_bytes_per_s / 1e9,
+            self.read_probes,
             self.decode_step_bytes as f64 / 1e6,
             self.limit_tokens_per_s,
             decode_tokens_per_s,
@@ -73,38 +94,74 @@ impl HostFigures {
     }
 }
 
-/// Bytes per second `threads` threads read together, each summing its part of a buffer far
-/// larger than any cache; the best of three passes.
-fn read_bandwidth(threads: usize) -> f64 {
-    const BYTES: usize = 512 << 20;
-    // Ones, not zeros: every page is written, so none is the kernel's shared zero page.
-    let buffer = vec![1u64; BYTES / 8];
-    let part = buffer.len().div_ceil(threads);
+/// The byte regions of a decoding step's weights.
+fn step_regions(model: &CausalLm) -> Vec<&[u8]> {
+    let mut regions = Vec::new();
+    for matrix in model.decode_step_matrices() {
+        matrix.for_each_region(&mut |bytes| regions.push(bytes));
+    }
+    regions
+}
+
+/// Bytes per second `threads` threads read `regions` together, each summing a contiguous share
+/// of them (in 64-byte lanes the compiler vectorises); the best of a few passes, so that one
+/// disturbed by the host's neighbours does not count.
+fn read_rate(threads: usize, regions: &[&[u8]]) -> f64 {
+    const PASSES: usize = 4;
+    let total: usize = regions.iter().map(|r| r.len()).sum();
+    let shares = shares(regions, total.div_ceil(threads).max(1));
     let mut best = f64::INFINITY;
-    for _ in 0..3 {
+    for _ in 0..PASSES {
         let start = Instant::now();
-        let total: u64 = std::thread::scope(|scope| {
-            let sums: Vec<_> = buffer
-                .chunks(part)
-                .map(|chunk| scope.spawn(move || lane_sum(chunk)))
+        let sum: u64 = std::thread::scope(|scope| {
+            let sums: Vec<_> = shares
+                .iter()
+                .map(|share| scope.spawn(move || share.iter().map(|r| lane_sum(r)).sum::<u64>()))
                 .collect();
             sums.into_iter().map(|s| s.join().unwrap_or(0)).sum()
         });
-        std::hint::black_box(total);
+        std::hint::black_box(sum);
         best = best.min(start.elapsed().as_secs_f64());
     }
-    BYTES as f64 / best
+    total as f64 / best
 }
 
-/// A sum in eight independent lanes (vectorised; no dependency chain to wait on).
-fn lane_sum(values: &[u64]) -> u64 {
+/// `regions` cut into consecutive shares of about `share_bytes` each.
+fn shares<'a>(regions: &[&'a [u8]], share_bytes: usize) -> Vec<Vec<&'a [u8]>> {
+    let mut shares = vec![Vec::new()];
+    let mut room = share_bytes;
+    for &region in regions {
+        let mut rest = region;
+        while !rest.is_empty() {
+            if room == 0 {
+                shares.push(Vec::new());
+                room = share_bytes;
+            }
+            let (head, tail) = rest.split_at(room.min(rest.len()));
+            shares.last_mut().expect("a share").push(head);
+            room -= head.len();
+            rest = tail;
+        }
+    }
+    shares
+}
+
+/// A sum of `bytes` in eight independent 64-bit lanes (vectorised; no dependency chain to wait
+/// on), the unaligned ends byte by byte.
+fn lane_sum(bytes: &[u8]) -> u64 {
+    // SAFETY: any bytes are valid u64s.
+    let (head, words, tail) = unsafe { bytes.align_to::<u64>() };
     let mut lanes = [0u64; 8];
-    for chunk in values.chunks_exact(8) {
+    let chunks = words.chunks_exact(8);
+    let rest = chunks.remainder();
+    for chunk in chunks {
         for (lane, value) in lanes.iter_mut().zip(chunk) {
             *lane = lane.wrapping_add(*value);
         }
     }
-    lanes.iter().fold(0, |a, &b| a.wrapping_add(b))
+    let ends = head.iter().chain(tail).map(|&b| b as u64);
+    let rest = rest.iter().copied().chain(ends);
+    lanes.iter().copied().chain(rest).fold(0, u64::wrapping_add)
 }
 
 /// A `kB` line of `/proc/self/status` in bytes.
@@ -125,10 +182,50 @@ mod tests {
     use super::*;
 
     #[test]
+    fn shares_cover_every_byte_once_in_order() {
+        let (a, b, c) = (vec![1u8; 10], vec![2u8; 3], vec![3u8; 7]);
+        let regions = [&a[..], &b[..], &c[..]];
+        let shares = shares(&regions, 8);
+        let lens: Vec<usize> = shares
+            .iter()
+            .map(|s| s.iter().map(|r| r.len()).sum())
+            .collect();
+        assert_eq!(lens, [8, 8, 4]);
+        let flat: Vec<u8> = shares
+            .iter()
+            .flatten()
+            .flat_map(|r| r.iter().copied())
+            .collect();
+        assert_eq!(flat, [a, b, c].concat());
+        // Every byte is read: a single non-zero byte anywhere (aligned or not) shows in the sum.
+        for at in 0..203 {
+            let mut bytes = vec![0u8; 203];
+            bytes[at] = 1;
+            assert_ne!(lane_sum(&bytes[at.min(3)..]), 0, "byte {at}");
+        }
+        assert_eq!(lane_sum(&[7u8; 5]), 35);
+    }
+
+    #[test]
     fn bandwidth_and_memory_are_measured() {
-        let mut host = HostFigures::measure(2, 1_000_000);
+        let dir = tempfile::tempdir().unwrap();
+        headway_model::testing::write_tiny_model(dir.path(), 1).unwrap();
+        let threads = headway_model::CpuThreads::new(2);
+        let target = headway_model::Target::load(
+            dir.path(),
+            headway_model::Dtype::F32.kind(),
+            headway_model::target::parse_device("cpu").unwrap(),
+            threads,
+        )
+        .unwrap();
+        let model = &target.model;
+        let mut host = HostFigures::measure(2, model);
         assert!(host.read_bytes_per_s > 1e8, "{} B/s", host.read_bytes_per_s);
-        assert!((host.limit_tokens_per_s - host.read_bytes_per_s / 1e6).abs() < 1e-6);
+        let step = model.decode_step_bytes() as f64;
+        assert!((host.limit_tokens_per_s - host.read_bytes_per_s / step).abs() < 1e-6);
+        let first = host.read_bytes_per_s;
+        host.probe(model);
+        assert!(host.read_bytes_per_s >= first && host.read_probes == 2);
         host.record_memory();
         assert!(host.rss_bytes.is_some_and(|b| b > 1 << 20));
         assert!(host.describe(10.0).contains("tokens/s"));

@@ -118,7 +118,7 @@ pub fn run(args: BenchArgs) -> anyhow::Result<()> {
     let capacity = (longest + args.turns * args.max_new_tokens + 64)
         .min(target.model.config().max_position_embeddings);
     let mut drafter = plan.drafter(&target, capacity)?;
-    let mut host = HostFigures::measure(target.cpu.count(), target.model.decode_step_bytes());
+    let mut host = HostFigures::measure(target.cpu.count(), &target.model);
     let baseline = !plan.is_ar() && !args.no_baseline;
     let (run, ar) = alternate(
         &target,
@@ -127,6 +127,7 @@ pub fn run(args: BenchArgs) -> anyhow::Result<()> {
         &questions,
         &options,
         baseline,
+        &mut host,
     )?;
     let settings = settings(&args, &target, &questions, &options, tuning.as_ref(), &run);
     host.record_memory();
@@ -166,7 +167,8 @@ pub fn run(args: BenchArgs) -> anyhow::Result<()> {
 
 /// Runs every question with `drafter` and, with `baseline`, with plain decoding before it: the
 /// two alternate question by question, so that the host's drifting speed (shared machines)
-/// weighs on both alike. Returns the method's run and plain decoding's.
+/// weighs on both alike; `host` probes the read rate after each question. Returns the method's
+/// run and plain decoding's.
 fn alternate(
     target: &Target,
     drafter: &mut dyn Drafter,
@@ -174,6 +176,7 @@ fn alternate(
     questions: &[Question],
     options: &BenchOptions,
     baseline: bool,
+    host: &mut HostFigures,
 ) -> anyhow::Result<(MethodRun, Option<MethodRun>)> {
     let mut plain = NoDrafter;
     if let Some(first) = questions.first() {
@@ -203,6 +206,7 @@ fn alternate(
             &mut run,
             &mut method_progress,
         )?;
+        host.probe(&target.model);
     }
     Ok((run, baseline.then_some(ar)))
 }
