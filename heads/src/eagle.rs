@@ -21,8 +21,12 @@
 //! the embedding by `embed_scale` before `fc` (1 in EAGLE-1); folded into `fc`'s embedding
 //! columns on export ([`fold_embed_scale`]), the head is an ordinary EAGLE-1 head.
 
-use headway_model::linear::Linear;
-use headway_model::{AttentionInput, CpuPolicy, DecoderLayer, KvCache, ModelConfig, Rotary};
+use headway_model::linear::{Linear, Matrix};
+use headway_model::quant::QuantFormat;
+use headway_model::weights::quantised_matrix;
+use headway_model::{
+    AttentionInput, CpuPolicy, DecoderLayer, KvCache, ModelConfig, Rotary, WeightSource,
+};
 use tch::{Device, Kind, Tensor};
 
 use crate::error::{HeadError, Result};
@@ -106,6 +110,8 @@ pub struct EagleHead {
     /// The target's LM head `[draft vocab, hidden]` (draft-vocabulary rows), frozen.
     lm_head: Tensor,
     rotary: Rotary,
+    /// The format its matrices draft in ([`Self::draft_in`]; `None`: as trained).
+    drafting_format: Option<QuantFormat>,
 }
 
 impl EagleHead {
@@ -149,11 +155,19 @@ impl EagleHead {
             params,
             embed: embed.detach().to_kind(Kind::Float),
             lm_head: lm_head.detach().to_kind(Kind::Float),
+            drafting_format: None,
         })
     }
 
     pub fn device(&self) -> Device {
         self.embed.device()
+    }
+
+    /// From now on [`Self::modules`] runs the head's matrices (fc, its layers', the LM head) in
+    /// `format`, made from the parameters each time: for drafting beside a quantised target, not
+    /// for training (the products are then no longer differentiable).
+    pub fn draft_in(&mut self, format: QuantFormat) {
+        self.drafting_format = Some(format);
     }
 
     /// Assembles the head's modules from the current parameters, to run under `cpu` (decoding's
@@ -164,32 +178,32 @@ impl EagleHead {
             true => Some(self.params.get("fc.bias")?.shallow_clone()),
             false => None,
         };
-        let fc = Linear::new(self.params.get("fc.weight")?.shallow_clone(), bias);
+        let source = &mut self.params.drafting_source(self.drafting_format);
+        let mut matrix = |name: &str| -> Result<Matrix> {
+            Ok(source.matrix(name, &self.params.get(name)?.size())?)
+        };
+        let fc = Linear::from_matrix(matrix("fc.weight")?, bias);
+        let tap_proj = match self.config.taps.is_empty() {
+            true => None,
+            false => Some(Linear::from_matrix(matrix(TAP_PROJ)?, None)),
+        };
         let layers = (0..self.config.layers())
             .map(|index| {
                 let prefix = layer_prefix(index);
-                DecoderLayer::load_with(
-                    &mut &self.params,
-                    &prefix,
-                    &self.config.layer,
-                    input(index),
-                )
+                DecoderLayer::load_with(source, &prefix, &self.config.layer, input(index))
             })
             .collect::<std::result::Result<Vec<_>, _>>()?;
-        let tap_proj = if self.config.taps.is_empty() {
-            None
-        } else {
-            Some(Linear::new(
-                self.params.get(TAP_PROJ)?.shallow_clone(),
-                None,
-            ))
+        let lm_head = Matrix::Dense(self.lm_head.shallow_clone());
+        let lm_head = match self.drafting_format {
+            Some(format) => quantised_matrix(lm_head, format),
+            None => lm_head,
         };
         Ok(EagleModules {
             head: self,
             fc,
             tap_proj,
             layers,
-            lm_head: Linear::new(self.lm_head.shallow_clone(), None),
+            lm_head: Linear::from_matrix(lm_head, None),
             cpu,
         })
     }
@@ -450,16 +464,33 @@ mod tests {
     #[test]
     fn a_scaled_embedding_folded_into_fc_gives_the_same_head() {
         let _guard = tch::no_grad_guard();
+        // Every head gets the first head's parameters: a seeded draw per head is not enough when
+        // tests beside this one draw from libtorch's generator too.
         let plain = head(1);
+        let same_weights = |mut head: EagleHead| {
+            for (name, value) in plain.params.iter() {
+                head.params.insert(name.clone(), value);
+            }
+            head
+        };
         let h = plain.config.layer.hidden_size as i64;
-        let mut scaled = head(1);
+        let mut scaled = same_weights(head(1));
         scaled.config = scaled.config.clone().with_embed_scale(8.0);
         let features = Tensor::randn([1, 5, h], (Kind::Float, Device::Cpu));
         let ids = Tensor::randint(50, [1, 5], (Kind::Int64, Device::Cpu));
+        // With a cache the layer runs on Headway's few-row code, whose bits do not depend on the
+        // libtorch thread count that tests running beside this one may change.
         let predict = |head: &EagleHead| {
+            let mut cache = head.new_cache(1, 8).unwrap();
             head.modules(decode())
                 .unwrap()
-                .forward(&features, &ids, &positions(0, 5, Device::Cpu), None, None)
+                .forward(
+                    &features,
+                    &ids,
+                    &positions(0, 5, Device::Cpu),
+                    Some(&mut cache),
+                    None,
+                )
                 .unwrap()
         };
         // Same weights: the scale changes what the head computes.
@@ -470,7 +501,7 @@ mod tests {
                 .double_value(&[])
                 > 1e-3
         );
-        let mut folded = head(1);
+        let mut folded = same_weights(head(1));
         let fc = fold_embed_scale(scaled.params.get("fc.weight").unwrap(), 8.0);
         folded.params.insert("fc.weight", &fc);
         // A power of two scales exactly, so folding it into fc changes no bit.

@@ -16,8 +16,10 @@
 //! vocabulary's ids live in the checkpoint's config (exported as `d2t`/`t2d`).
 
 use headway_model::linear::Linear;
+use headway_model::quant::QuantFormat;
 use headway_model::{
     Architecture, AttentionInput, CpuPolicy, DecoderLayer, KvCache, ModelConfig, RmsNorm, Rotary,
+    WeightSource,
 };
 use tch::{Device, Kind, Tensor};
 
@@ -85,6 +87,8 @@ impl Eagle3Config {
 pub struct Eagle3Head {
     pub config: Eagle3Config,
     pub params: Params,
+    /// The format its matrices draft in ([`Self::draft_in`]; `None`: as trained).
+    drafting_format: Option<QuantFormat>,
     /// The target's embedding `[vocab, hidden]`, frozen.
     embed: Tensor,
     rotary: Rotary,
@@ -126,6 +130,7 @@ impl Eagle3Head {
             rotary: Rotary::new(c, device),
             config,
             params,
+            drafting_format: None,
             embed: embed.detach().to_kind(Kind::Float),
         })
     }
@@ -134,18 +139,27 @@ impl Eagle3Head {
         self.embed.device()
     }
 
+    /// From now on [`Self::modules`] runs the head's matrices (fc, the layer's, the LM head) in
+    /// `format`, made from the parameters each time: for drafting beside a quantised target, not
+    /// for training (the products are then no longer differentiable).
+    pub fn draft_in(&mut self, format: QuantFormat) {
+        self.drafting_format = Some(format);
+    }
+
     /// Assembles the head's modules from the current parameters, to run under `cpu`. Call again
     /// after the parameters change.
     pub fn modules(&self, cpu: CpuPolicy) -> Result<Eagle3Modules<'_>> {
         let h = self.config.layer.hidden_size;
         let eps = self.config.layer.rms_norm_eps;
-        let source = &mut &self.params;
-        let linear = |name: &str| -> Result<Linear> {
-            Ok(Linear::new(self.params.get(name)?.shallow_clone(), None))
+        let source = &mut self.params.drafting_source(self.drafting_format);
+        let mut linear = |name: &str| -> Result<Linear> {
+            let shape = self.params.get(name)?.size();
+            Ok(Linear::from_matrix(source.matrix(name, &shape)?, None))
         };
+        let (fc, lm_head) = (linear(FC)?, linear(LM_HEAD)?);
         Ok(Eagle3Modules {
             head: self,
-            fc: linear(FC)?,
+            fc,
             embed_norm: RmsNorm::load(source, EMBED_NORM, h, eps)?,
             hidden_norm: RmsNorm::load(source, HIDDEN_NORM, h, eps)?,
             layer: DecoderLayer::load_with(
@@ -155,7 +169,7 @@ impl Eagle3Head {
                 AttentionInput::Given(2 * h),
             )?,
             norm: RmsNorm::load(source, FINAL_NORM, h, eps)?,
-            lm_head: linear(LM_HEAD)?,
+            lm_head,
             cpu,
         })
     }
@@ -389,6 +403,46 @@ mod tests {
             }
         }
         assert_eq!(modules.logits(&outputs[2]).size(), [1, n, 64]);
+    }
+
+    /// Drafting in Q8_0 runs every matrix on the quantised kernel and stays close to f32: the
+    /// same top guesses, logits within the blocks' rounding.
+    #[test]
+    fn drafting_in_q8_0_stays_close_to_f32() {
+        let _no_grad = tch::no_grad_guard();
+        let mut head = tiny_eagle3_head(5, vec![0, 1], 64);
+        let h = tiny_config().hidden_size as i64;
+        let n = 5;
+        let taps: Vec<Tensor> = (0..2)
+            .map(|_| Tensor::randn([1, n, h], (Kind::Float, Device::Cpu)))
+            .collect();
+        let ids = Tensor::randint(64, [1, n], (Kind::Int64, Device::Cpu));
+        let run = |head: &Eagle3Head| {
+            let modules = head.modules(decode()).unwrap();
+            let hidden = Tensor::zeros([1, n, h], (Kind::Float, Device::Cpu));
+            let features = modules.fuse(&hidden, &taps).unwrap();
+            let place = positions(0, n as usize, Device::Cpu);
+            let out = modules
+                .forward(&features, &ids, &place, None, None)
+                .unwrap();
+            let quantised = [&modules.fc, &modules.lm_head]
+                .into_iter()
+                .chain(modules.layer.linears())
+                .all(|l| matches!(l.matrix(), headway_model::linear::Matrix::Quantised { .. }));
+            (modules.logits(&out), quantised)
+        };
+        let (dense, dense_quantised) = run(&head);
+        head.draft_in(QuantFormat::Q8_0);
+        let (q8, q8_quantised) = run(&head);
+        assert!(
+            !dense_quantised && q8_quantised,
+            "every matrix drafts in Q8_0"
+        );
+        let scale = dense.abs().max().double_value(&[]);
+        let diff = (&q8 - &dense).abs().max().double_value(&[]);
+        assert!(diff > 0.0 && diff < 0.05 * scale, "|Δ| {diff} of {scale}");
+        let same_top = q8.argmax(-1, false).eq_tensor(&dense.argmax(-1, false));
+        assert!(same_top.sum(Kind::Int64).int64_value(&[]) >= n - 1);
     }
 
     #[test]

@@ -2,7 +2,8 @@
 
 use std::collections::BTreeMap;
 
-use headway_model::{ModelError, WeightSource};
+use headway_model::quant::QuantFormat;
+use headway_model::{ModelError, Quantising, WeightSource};
 use tch::{Device, Kind, Tensor};
 
 use crate::error::{HeadError, Result};
@@ -106,6 +107,17 @@ impl Params {
 
 /// Hands the parameters to layers of the target runtime by name (the leaves themselves, so
 /// gradients reach them).
+impl Params {
+    /// The parameters as a source of modules, their matrices quantised to `format` if given
+    /// (a head drafting beside a quantised target).
+    pub fn drafting_source(&self, format: Option<QuantFormat>) -> Quantising<&Params> {
+        Quantising {
+            source: self,
+            format,
+        }
+    }
+}
+
 impl WeightSource for &Params {
     fn tensor(&mut self, name: &str, shape: &[i64]) -> headway_model::Result<Tensor> {
         let tensor = self

@@ -13,6 +13,7 @@ use headway_engine::tree::TreeChoices;
 use headway_engine::{DraftPlan, ModelDraft};
 use headway_heads::FeatureHead;
 use headway_model::fingerprint::Kinship;
+use headway_model::quant::QuantFormat;
 use headway_model::{Target, ROW_KERNEL_MAX_ROWS};
 
 /// Decoding methods.
@@ -74,6 +75,11 @@ pub struct DraftArgs {
     /// Default: the --tree-tokens paths of highest expected acceptance for typical head accuracies.
     #[arg(long)]
     pub tree: Option<PathBuf>,
+    /// EAGLE and EAGLE-3: the format the head's matrices draft in. `auto`: Q8_0 beside a target
+    /// whose matrices run quantised (a GGUF's), where a draft depth in f32 would read about a
+    /// third of a target step; else as trained (f32).
+    #[arg(long, value_enum, default_value = "auto")]
+    pub head_format: HeadFormat,
     /// Draft model and prompt lookup: tokens per chain.
     #[arg(long, default_value_t = 5)]
     pub draft_tokens: usize,
@@ -91,6 +97,26 @@ pub struct DraftArgs {
     pub typical_threshold: f64,
     #[arg(long, default_value_t = 0.3, requires = "typical")]
     pub typical_alpha: f64,
+}
+
+/// `--head-format`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum HeadFormat {
+    Auto,
+    F32,
+    #[value(name = "q8_0")]
+    Q8_0,
+}
+
+impl HeadFormat {
+    /// The quantised format a head drafts in beside `target` (`None`: as trained).
+    pub fn drafting_format(self, target: &Target) -> Option<QuantFormat> {
+        match self {
+            Self::Auto => target.model.runs_quantised().then_some(QuantFormat::Q8_0),
+            Self::F32 => None,
+            Self::Q8_0 => Some(QuantFormat::Q8_0),
+        }
+    }
 }
 
 /// `--tree-tokens`: a size, or tuned on this device.
@@ -267,6 +293,9 @@ impl DraftArgs {
             other => Err(other.name()),
         })?;
         head.params.freeze();
+        if let Some(format) = self.head_format.drafting_format(target) {
+            head.draft_in(format);
+        }
         let (shape, tuning) = self.eagle_shape(target, &head, d2t.as_deref(), lookup, warm_up)?;
         Ok((ModelDraft::Eagle { head, d2t, shape }, tuning))
     }
@@ -285,6 +314,9 @@ impl DraftArgs {
             bail!("--heads: an EAGLE-3 checkpoint without its draft vocabulary");
         };
         head.params.freeze();
+        if let Some(format) = self.head_format.drafting_format(target) {
+            head.draft_in(format);
+        }
         let (shape, tuning) = self.eagle_shape(target, &head, Some(&d2t), lookup, warm_up)?;
         Ok((ModelDraft::Eagle3 { head, d2t, shape }, tuning))
     }

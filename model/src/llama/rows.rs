@@ -64,7 +64,8 @@ impl DecoderLayer {
             .chain(qk)
     }
 
-    pub(super) fn linears(&self) -> impl Iterator<Item = &Linear> {
+    /// The layer's matrix products, in the order a forward runs them.
+    pub fn linears(&self) -> impl Iterator<Item = &Linear> {
         [
             &self.self_attn.qkv_proj,
             &self.self_attn.o_proj,

@@ -266,6 +266,7 @@ fn settings(
             "ranking": t.ranking,
         })),
         "draft_tokens": draft.draft_tokens,
+        "head_format": format!("{:?}", draft.head_format.drafting_format(target)),
         "with_lookup": draft.with_lookup,
         "tree": draft.tree.as_ref().map(|p| p.display().to_string()),
         "acceptance": options.acceptance,
