@@ -39,7 +39,7 @@ fn the_tiny_model_directory_loads() {
 fn a_missing_directory_is_named() {
     let err = load_error(Path::new("/nonexistent/model"));
     assert!(
-        err.contains("/nonexistent/model") && err.contains("not found"),
+        err.contains("/nonexistent/model: no such target model directory"),
         "{err}"
     );
 }
