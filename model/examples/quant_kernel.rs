@@ -1,7 +1,10 @@
 //! Few-row products `x [rows, 576] · Wᵀ` over 30 quantised weights of 1536 × 576 (SmolLM2's MLP
 //! shape; 576 × 1536, `ffn_down`'s, for formats whose rows are whole 256-value super-blocks),
-//! one thread, per block format and instruction set: milliseconds, and the rate at which
-//! the quantised bytes stream (compare with the f32 row kernel: `--example row_kernel`).
+//! one thread, per block format and instruction set: milliseconds, the rate the quantised bytes
+//! stream at, and the time as a multiple of the roof — the slower of reading the bytes at the
+//! rate one thread reads these very weights and of the multiply-accumulates at the kernel
+//! instruction's measured peak (both printed; compare with the f32 row kernel:
+//! `--example row_kernel`).
 //!
 //! cargo run --release -p headway-model --example quant_kernel
 
@@ -11,7 +14,9 @@ mod timing;
 use timing::best_of;
 
 use headway_model::quant::{quantise, QuantFormat};
-use headway_model::quant_kernel::{columns, detected_isa, Isa, PackedMatrix, QuantisedRows};
+use headway_model::quant_kernel::{columns, detected_isa, int8_mac_rate, Isa};
+use headway_model::quant_kernel::{PackedMatrix, QuantisedRows};
+use headway_model::roof::{read_rate, roofline_seconds};
 
 const OUT: usize = 1536;
 const IN: usize = 576;
@@ -23,6 +28,13 @@ fn main() {
         Isa::Vnni => vec![Isa::Avx2, Isa::Vnni],
         isa => vec![isa],
     };
+    let mac_rates: Vec<f64> = isas.iter().map(|&isa| int8_mac_rate(isa)).collect();
+    for (isa, rate) in isas.iter().zip(&mac_rates) {
+        println!(
+            "{isa:?}: peak {:.0} G int8 MACs/s on one thread",
+            rate / 1e9
+        );
+    }
     for format in QuantFormat::ALL {
         let (out, inputs) = match IN % format.row_multiple() {
             0 => (OUT, IN),
@@ -36,19 +48,24 @@ fn main() {
                 PackedMatrix::new(&quantise(format, &values, out, inputs))
             })
             .collect();
+        let regions: Vec<&[u8]> = weights.iter().map(|w| w.data()).collect();
         let bytes = (LAYERS * weights[0].bytes()) as f64;
+        let read = read_rate(1, &regions);
         println!(
-            "{} [{out}, {inputs}] ({:.1} MB): rows, then ms (GB/s) per instruction set {isas:?}",
+            "{} [{out}, {inputs}] ({:.1} MB, read by one thread at {:.1} GB/s): rows, then ms \
+             (GB/s, × roof) per instruction set {isas:?}",
             format.name(),
-            bytes / 1e6
+            bytes / 1e6,
+            read / 1e9
         );
-        for rows in [1, 2, 4, 8, 16, 32, 64] {
+        for rows in [1, 2, 3, 4, 5, 6, 8, 12, 16, 32, 64] {
             let x: Vec<f32> = (0..rows * inputs)
                 .map(|i| (i % 5) as f32 * 0.1 - 0.2)
                 .collect();
+            let macs = (LAYERS * rows * out * inputs) as f64;
             let mut y = vec![0f32; rows * out];
             let mut line = format!("{rows:>4}");
-            for &isa in &isas {
+            for (&isa, &mac_rate) in isas.iter().zip(&mac_rates) {
                 let seconds = best_of(REPS, || {
                     let quantised = QuantisedRows::new(&x, inputs);
                     for w in &weights {
@@ -56,7 +73,13 @@ fn main() {
                         unsafe { columns(isa, &quantised, w, y.as_mut_ptr(), out, 0, out) };
                     }
                 });
-                line += &format!("  {:>8.2} ({:>5.1})", seconds * 1e3, bytes / seconds / 1e9);
+                let roof = roofline_seconds(bytes, macs, read, mac_rate);
+                line += &format!(
+                    "  {:>7.2} ({:>5.1}, {:>4.2}×)",
+                    seconds * 1e3,
+                    bytes / seconds / 1e9,
+                    seconds / roof
+                );
             }
             println!("{line}");
         }

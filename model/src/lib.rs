@@ -25,6 +25,7 @@ mod on_devices;
 pub mod quant;
 pub mod quant_gguf;
 pub mod quant_kernel;
+pub mod roof;
 pub mod row_attention;
 pub mod row_kernel;
 pub mod safetensors_io;

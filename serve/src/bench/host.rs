@@ -6,8 +6,7 @@
 //! host's bandwidth limit does. The rate is measured on the weights themselves, again after every
 //! question, and the best kept: no run can then beat its own limit by the probe's bad luck.
 
-use std::time::Instant;
-
+use headway_model::roof::read_rate;
 use headway_model::CausalLm;
 use serde::{Deserialize, Serialize};
 
@@ -103,67 +102,6 @@ fn step_regions(model: &CausalLm) -> Vec<&[u8]> {
     regions
 }
 
-/// Bytes per second `threads` threads read `regions` together, each summing a contiguous share
-/// of them (in 64-byte lanes the compiler vectorises); the best of a few passes, so that one
-/// disturbed by the host's neighbours does not count.
-fn read_rate(threads: usize, regions: &[&[u8]]) -> f64 {
-    const PASSES: usize = 4;
-    let total: usize = regions.iter().map(|r| r.len()).sum();
-    let shares = shares(regions, total.div_ceil(threads).max(1));
-    let mut best = f64::INFINITY;
-    for _ in 0..PASSES {
-        let start = Instant::now();
-        let sum: u64 = std::thread::scope(|scope| {
-            let sums: Vec<_> = shares
-                .iter()
-                .map(|share| scope.spawn(move || share.iter().map(|r| lane_sum(r)).sum::<u64>()))
-                .collect();
-            sums.into_iter().map(|s| s.join().unwrap_or(0)).sum()
-        });
-        std::hint::black_box(sum);
-        best = best.min(start.elapsed().as_secs_f64());
-    }
-    total as f64 / best
-}
-
-/// `regions` cut into consecutive shares of about `share_bytes` each.
-fn shares<'a>(regions: &[&'a [u8]], share_bytes: usize) -> Vec<Vec<&'a [u8]>> {
-    let mut shares = vec![Vec::new()];
-    let mut room = share_bytes;
-    for &region in regions {
-        let mut rest = region;
-        while !rest.is_empty() {
-            if room == 0 {
-                shares.push(Vec::new());
-                room = share_bytes;
-            }
-            let (head, tail) = rest.split_at(room.min(rest.len()));
-            shares.last_mut().expect("a share").push(head);
-            room -= head.len();
-            rest = tail;
-        }
-    }
-    shares
-}
-
-/// A sum of `bytes` in eight independent 64-bit lanes (vectorised; no dependency chain to wait
-/// on), the unaligned ends byte by byte.
-fn lane_sum(bytes: &[u8]) -> u64 {
-    // SAFETY: any bytes are valid u64s.
-    let (head, words, tail) = unsafe { bytes.align_to::<u64>() };
-    let mut lanes = [0u64; 8];
-    let chunks = words.chunks_exact(8);
-    let rest = chunks.remainder();
-    for chunk in chunks {
-        for (lane, value) in lanes.iter_mut().zip(chunk) {
-            *lane = lane.wrapping_add(*value);
-        }
-    }
-    let ends = head.iter().chain(tail).map(|&b| b as u64);
-    let rest = rest.iter().copied().chain(ends);
-    lanes.iter().copied().chain(rest).fold(0, u64::wrapping_add)
-}
-
 /// A `kB` line of `/proc/self/status` in bytes.
 fn status_bytes(key: &str) -> Option<u64> {
     let status = std::fs::read_to_string("/proc/self/status").ok()?;
@@ -180,31 +118,6 @@ fn status_bytes(key: &str) -> Option<u64> {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn shares_cover_every_byte_once_in_order() {
-        let (a, b, c) = (vec![1u8; 10], vec![2u8; 3], vec![3u8; 7]);
-        let regions = [&a[..], &b[..], &c[..]];
-        let shares = shares(&regions, 8);
-        let lens: Vec<usize> = shares
-            .iter()
-            .map(|s| s.iter().map(|r| r.len()).sum())
-            .collect();
-        assert_eq!(lens, [8, 8, 4]);
-        let flat: Vec<u8> = shares
-            .iter()
-            .flatten()
-            .flat_map(|r| r.iter().copied())
-            .collect();
-        assert_eq!(flat, [a, b, c].concat());
-        // Every byte is read: a single non-zero byte anywhere (aligned or not) shows in the sum.
-        for at in 0..203 {
-            let mut bytes = vec![0u8; 203];
-            bytes[at] = 1;
-            assert_ne!(lane_sum(&bytes[at.min(3)..]), 0, "byte {at}");
-        }
-        assert_eq!(lane_sum(&[7u8; 5]), 35);
-    }
 
     #[test]
     fn bandwidth_and_memory_are_measured() {
