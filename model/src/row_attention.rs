@@ -11,6 +11,12 @@
 //! decoded after its accepted ancestors or verified beside its tree siblings (a tree lists parents
 //! before children), so its output is too.
 //!
+//! The query rows that share a key/value head (its query heads × the new tokens) go in chunks of
+//! [`CHUNK_ROWS`]: each block of keys, then of values, is read once for the whole chunk and stays
+//! in L1 while every row takes its terms from it, and each row's allowed keys are runs read off
+//! its mask eight bytes at a time. The order of every row's operations is the one above, whatever
+//! the chunk.
+//!
 //! `cargo run --release -p headway-model --example row_attention` times it against libtorch's.
 
 use tch::{Device, Kind, Tensor};
@@ -264,17 +270,22 @@ impl Shape {
             |[batch_stride, head_stride]: [usize; 2]| batch * batch_stride + kv_head * head_stride;
         let keys = (pointers.keys as *const f32).add(at(pointers.key_strides));
         let values = (pointers.values as *const f32).add(at(pointers.value_strides));
-        for row in first..end {
-            let query = std::slice::from_raw_parts(
-                (pointers.queries as *const f32).add(self.offset(pointers.query_strides, row)),
-                dim,
-            );
-            let out = std::slice::from_raw_parts_mut(
-                (pointers.out as *mut f32).add(self.offset(pointers.out_strides, row)),
-                dim,
-            );
-            let allowed = self.allowed(pointers, mask, row);
-            kernel::attend_row(query, &allowed, self.scale, (keys, values), scratch, out);
+        for chunk in (first..end).step_by(CHUNK_ROWS) {
+            let rows: Vec<Row> = (chunk..(chunk + CHUNK_ROWS).min(end))
+                .map(|row| Row {
+                    query: std::slice::from_raw_parts(
+                        (pointers.queries as *const f32)
+                            .add(self.offset(pointers.query_strides, row)),
+                        dim,
+                    ),
+                    allowed: self.allowed(pointers, mask, row),
+                    out: std::slice::from_raw_parts_mut(
+                        (pointers.out as *mut f32).add(self.offset(pointers.out_strides, row)),
+                        dim,
+                    ),
+                })
+                .collect();
+            kernel::attend_chunk(rows, self.scale, (keys, values), scratch);
         }
     }
 
@@ -306,6 +317,13 @@ impl Shape {
     }
 }
 
+/// One query row of a chunk: its features, the keys it may attend to, and where its output goes.
+struct Row<'a> {
+    query: &'a [f32],
+    allowed: KeysOf<'a>,
+    out: &'a mut [f32],
+}
+
 /// The keys one query may attend to.
 enum KeysOf<'a> {
     /// Keys `0..n`.
@@ -314,23 +332,65 @@ enum KeysOf<'a> {
     Mask(&'a [bool]),
 }
 
-/// One thread's buffers: a row's scores, and its allowed keys' weights and indices in key order.
+/// One thread's buffers, for each row of a chunk: its scores against every key, its allowed
+/// keys as runs in key order, and their weights, compacted.
 struct Scratch {
+    len: usize,
     scores: Vec<f32>,
     weights: Vec<f32>,
-    keys: Vec<usize>,
+    runs: Vec<Vec<std::ops::Range<usize>>>,
 }
 
 /// Floats per vector: weights and their sum go [`LANES`] keys at a time, dot products and values
 /// [`LANES`] features at a time.
 const LANES: usize = 8;
 
+/// Query rows of one key/value head computed together: each block of keys, then of values, is
+/// read into the cache once and serves them all.
+const CHUNK_ROWS: usize = 8;
+
 impl Scratch {
     fn new(len: usize) -> Self {
         Self {
-            scores: vec![0.0; len],
-            weights: vec![0.0; len.div_ceil(LANES) * LANES],
-            keys: Vec::with_capacity(len),
+            len,
+            scores: vec![0.0; CHUNK_ROWS * len],
+            weights: vec![0.0; CHUNK_ROWS * Self::padded(len)],
+            runs: vec![Vec::new(); CHUNK_ROWS],
+        }
+    }
+
+    /// A row's room for weights: whole vectors.
+    fn padded(len: usize) -> usize {
+        len.div_ceil(LANES) * LANES
+    }
+}
+
+/// Appends the runs of `true` in `mask` to `runs`, in order, eight bytes at a time where they
+/// agree.
+fn mask_runs(mask: &[bool], runs: &mut Vec<std::ops::Range<usize>>) {
+    // SAFETY: a bool is one byte, 0 or 1.
+    let bytes = unsafe { std::slice::from_raw_parts(mask.as_ptr() as *const u8, mask.len()) };
+    let word = |k: usize| {
+        bytes
+            .get(k..k + 8)
+            .map(|b| u64::from_ne_bytes(b.try_into().unwrap()))
+    };
+    let skip = |mut k: usize, value: bool| {
+        let whole = if value { u64::from_ne_bytes([1; 8]) } else { 0 };
+        while k < bytes.len() && mask[k] == value {
+            k += match word(k) {
+                Some(w) if w == whole => 8,
+                _ => 1,
+            };
+        }
+        k
+    };
+    let mut k = 0;
+    while k < bytes.len() {
+        let start = skip(k, false);
+        k = skip(start, true);
+        if start < k {
+            runs.push(start..k);
         }
     }
 }
@@ -347,50 +407,72 @@ impl Scratch {
 mod kernel {
     use std::arch::x86_64::*;
 
-    use super::{KeysOf, Scratch, LANES};
+    use super::{mask_runs, KeysOf, Row, Scratch, LANES};
 
-    /// One query's output: raw scores against every key, softmax over the allowed ones, values
-    /// weighted in key order.
+    /// Keys per block of [`weigh_values`]: their values (16 KiB at 64 features) stay in L1 while
+    /// every row of the chunk takes its terms from them.
+    const VALUE_BLOCK: usize = 64;
+
+    /// The outputs of `rows` (at most [`super::CHUNK_ROWS`], one key/value head): raw scores
+    /// against every key, softmax over each row's allowed ones, values weighted in key order.
     ///
     /// # Safety
     /// AVX2 and FMA are available; `keys` and `values` each hold the scratch's `len` rows of
     /// `query.len()` floats.
     #[target_feature(enable = "avx2,fma")]
-    pub(super) unsafe fn attend_row(
-        query: &[f32],
-        allowed: &KeysOf,
+    pub(super) unsafe fn attend_chunk(
+        mut rows: Vec<Row>,
         scale: f32,
         (keys, values): (*const f32, *const f32),
         scratch: &mut Scratch,
-        out: &mut [f32],
     ) {
-        let dim = query.len();
-        for (key, score) in scratch.scores.iter_mut().enumerate() {
-            *score = dot(query, keys.add(key * dim)) * scale;
+        let len = scratch.len;
+        let padded = Scratch::padded(len);
+        score_keys(&rows, keys, len, scale, &mut scratch.scores);
+        // Each row's sum of weights; none where it may attend to no key (its output stays zero).
+        let mut sums = [None; super::CHUNK_ROWS];
+        for (r, row) in rows.iter_mut().enumerate() {
+            let runs = &mut scratch.runs[r];
+            runs.clear();
+            match row.allowed {
+                KeysOf::Prefix(n) if n > 0 => runs.push(0..n),
+                KeysOf::Prefix(_) => {}
+                KeysOf::Mask(mask) => mask_runs(mask, runs),
+            }
+            row.out.fill(0.0);
+            let weights = &mut scratch.weights[r * padded..][..padded];
+            let scores = &scratch.scores[r * len..][..len];
+            let mut count = 0;
+            for run in runs.iter() {
+                weights[count..count + run.len()].copy_from_slice(&scores[run.clone()]);
+                count += run.len();
+            }
+            if count > 0 {
+                let weights = &mut weights[..count.div_ceil(LANES) * LANES];
+                sums[r] = Some(exponentiate(weights, count, max(&weights[..count])));
+            }
         }
-        scratch.keys.clear();
-        match allowed {
-            KeysOf::Prefix(n) => scratch.keys.extend(0..*n),
-            KeysOf::Mask(mask) => scratch.keys.extend((0..mask.len()).filter(|&k| mask[k])),
-        }
-        out.fill(0.0);
-        let count = scratch.keys.len();
-        if count == 0 {
-            return;
-        }
-        let weights = &mut scratch.weights[..count.div_ceil(LANES) * LANES];
-        match allowed {
-            KeysOf::Prefix(n) => weights[..*n].copy_from_slice(&scratch.scores[..*n]),
-            KeysOf::Mask(_) => {
-                for (weight, &key) in weights.iter_mut().zip(&scratch.keys) {
-                    *weight = scratch.scores[key];
+        for block in (0..len).step_by(VALUE_BLOCK) {
+            let block = block..(block + VALUE_BLOCK).min(len);
+            for (r, row) in rows.iter_mut().enumerate() {
+                let mut weight = 0;
+                for run in &scratch.runs[r] {
+                    let part = run.start.max(block.start)..run.end.min(block.end);
+                    if !part.is_empty() {
+                        let first = weight + part.start - run.start;
+                        let weights = &scratch.weights[r * padded + first..][..part.len()];
+                        weigh_values(weights, values.add(part.start * row.out.len()), row.out);
+                    }
+                    weight += run.len();
                 }
             }
         }
-        let sum = exponentiate(weights, count, max(&weights[..count]));
-        weigh_values(&weights[..count], &scratch.keys, values, out);
-        let inverse = 1.0 / sum;
-        out.iter_mut().for_each(|o| *o *= inverse);
+        for (row, sum) in rows.iter_mut().zip(sums) {
+            if let Some(sum) = sum {
+                let inverse = 1.0 / sum;
+                row.out.iter_mut().for_each(|o| *o *= inverse);
+            }
+        }
     }
 
     /// The largest of `weights` (exact in any order).
@@ -408,13 +490,72 @@ mod kernel {
             .fold(f32::NEG_INFINITY, |m, &w| m.max(w))
     }
 
-    /// `q · k`: features `LANES` at a time into two alternating accumulators, their fixed
-    /// horizontal sum, then the remaining features in order.
+    /// `scores[r · len + j] = (q_r · k_j) · scale` for every row `r` and key `j` of `keys` (`len`
+    /// rows of the queries' width), each exactly as [`dot`] forms it. [`LANES`] keys at a time
+    /// for every row (the keys stay in L1 meanwhile), their horizontal sums taken together by
+    /// [`horizontal_sums`] (one sum at a time cost about as much as the products themselves).
+    #[target_feature(enable = "avx2,fma")]
+    unsafe fn score_keys(
+        rows: &[Row],
+        keys: *const f32,
+        len: usize,
+        scale: f32,
+        scores: &mut [f32],
+    ) {
+        let Some(dim) = rows.first().map(|row| row.query.len()) else {
+            return;
+        };
+        let whole = dim % LANES == 0;
+        let key = |k: usize| keys.add(k * dim);
+        for block in (0..len / LANES * LANES).step_by(LANES) {
+            for (r, row) in rows.iter().enumerate() {
+                let sums: [__m256; LANES] =
+                    std::array::from_fn(|k| lane_sums(row.query, key(block + k)));
+                let out = scores.as_mut_ptr().add(r * len + block);
+                if whole {
+                    _mm256_storeu_ps(
+                        out,
+                        _mm256_mul_ps(horizontal_sums(sums), _mm256_set1_ps(scale)),
+                    );
+                } else {
+                    _mm256_storeu_ps(out, horizontal_sums(sums));
+                    for k in 0..LANES {
+                        *out.add(k) = tail(row.query, key(block + k), *out.add(k)) * scale;
+                    }
+                }
+            }
+        }
+        for k in len / LANES * LANES..len {
+            for (r, row) in rows.iter().enumerate() {
+                scores[r * len + k] = dot(row.query, key(k)) * scale;
+            }
+        }
+    }
+
+    /// `q · k`: [`lane_sums`], their fixed [`horizontal_sum`], then the remaining features in
+    /// order ([`tail`]).
     #[target_feature(enable = "avx2,fma")]
     #[inline]
     unsafe fn dot(query: &[f32], key: *const f32) -> f32 {
-        let dim = query.len();
-        let full = dim / LANES * LANES;
+        tail(query, key, horizontal_sum(lane_sums(query, key)))
+    }
+
+    /// `sum` plus the products of the features past the last whole vector, in order.
+    #[target_feature(enable = "avx2,fma")]
+    #[inline]
+    unsafe fn tail(query: &[f32], key: *const f32, mut sum: f32) -> f32 {
+        for (t, &q) in query.iter().enumerate().skip(query.len() / LANES * LANES) {
+            sum = q.mul_add(*key.add(t), sum);
+        }
+        sum
+    }
+
+    /// The products of `q` and `k`'s whole vectors of features, [`LANES`] at a time into two
+    /// alternating accumulators, then their sum: lane `l` holds the features `l mod LANES`.
+    #[target_feature(enable = "avx2,fma")]
+    #[inline]
+    unsafe fn lane_sums(query: &[f32], key: *const f32) -> __m256 {
+        let full = query.len() / LANES * LANES;
         let (mut even, mut odd) = (_mm256_setzero_ps(), _mm256_setzero_ps());
         let mut at = 0;
         while at + 2 * LANES <= full {
@@ -431,19 +572,57 @@ mod kernel {
             let q = query.as_ptr().add(at);
             even = _mm256_fmadd_ps(_mm256_loadu_ps(q), _mm256_loadu_ps(key.add(at)), even);
         }
-        let mut sum = horizontal_sum(_mm256_add_ps(even, odd));
-        for (t, &q) in query.iter().enumerate().skip(full) {
-            sum = q.mul_add(*key.add(t), sum);
-        }
-        sum
+        _mm256_add_ps(even, odd)
     }
 
+    /// The sum of `v`'s lanes: `((v₀ + v₄) + (v₂ + v₆)) + ((v₁ + v₅) + (v₃ + v₇))`.
     #[target_feature(enable = "avx2,fma")]
     #[inline]
     unsafe fn horizontal_sum(v: __m256) -> f32 {
         let quad = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
         let pair = _mm_add_ps(quad, _mm_movehl_ps(quad, quad));
         _mm_cvtss_f32(_mm_add_ss(pair, _mm_shuffle_ps(pair, pair, 1)))
+    }
+
+    /// Lane `k` the [`horizontal_sum`] of `v[k]`, by the same additions in the same order, for
+    /// eight vectors at once: first each vector's halves (`v₀ + v₄`, …), then each quad's
+    /// (`q₀ + q₂`, `q₁ + q₃`), then each pair's.
+    #[target_feature(enable = "avx2,fma")]
+    #[inline]
+    unsafe fn horizontal_sums(v: [__m256; LANES]) -> __m256 {
+        // (quads of v[2i] | quads of v[2i + 1]).
+        let quads: [__m256; 4] = std::array::from_fn(|i| {
+            let (a, b) = (v[2 * i], v[2 * i + 1]);
+            _mm256_add_ps(
+                _mm256_permute2f128_ps::<0x20>(a, b),
+                _mm256_permute2f128_ps::<0x31>(a, b),
+            )
+        });
+        // (pairs of v[4i], of v[4i + 2] | pairs of v[4i + 1], of v[4i + 3]).
+        let pairs: [__m256; 2] = std::array::from_fn(|i| {
+            let (a, b) = (quads[2 * i], quads[2 * i + 1]);
+            _mm256_add_ps(
+                _mm256_shuffle_ps::<0b01_00_01_00>(a, b),
+                _mm256_shuffle_ps::<0b11_10_11_10>(a, b),
+            )
+        });
+        // Sums of v[0], v[2], v[4], v[6] | of v[1], v[3], v[5], v[7].
+        let sums = _mm256_add_ps(
+            _mm256_shuffle_ps::<0b10_00_10_00>(pairs[0], pairs[1]),
+            _mm256_shuffle_ps::<0b11_01_11_01>(pairs[0], pairs[1]),
+        );
+        _mm256_permutevar8x32_ps(sums, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7))
+    }
+
+    /// Eight vectors' horizontal sums taken together and one at a time (for the tests).
+    #[cfg(test)]
+    #[target_feature(enable = "avx2,fma")]
+    pub(super) unsafe fn sums_both_ways(values: &[f32]) -> ([f32; LANES], [f32; LANES]) {
+        let v: [__m256; LANES] =
+            std::array::from_fn(|k| _mm256_loadu_ps(values[k * LANES..].as_ptr()));
+        let mut together = [0f32; LANES];
+        _mm256_storeu_ps(together.as_mut_ptr(), horizontal_sums(v));
+        (together, v.map(|v| horizontal_sum(v)))
     }
 
     /// Replaces the first `count` weights `w` by `exp(w − max)` and the padding after them by 0;
@@ -466,24 +645,25 @@ mod kernel {
         lanes.iter().sum()
     }
 
-    /// `out = Σ_i weights[i] · v[keys[i]]` (out starts at zero), each feature one chain of FMAs
-    /// over the keys in order; features [`GROUP`] vectors at a time, kept in registers.
+    /// `out += Σ_i weights[i] · v_i` for the `weights.len()` consecutive value rows from `values`,
+    /// each feature one chain of FMAs over the keys in order (continued from the last block's);
+    /// features [`GROUP`] vectors at a time, kept in registers.
     #[target_feature(enable = "avx2,fma")]
-    unsafe fn weigh_values(weights: &[f32], keys: &[usize], values: *const f32, out: &mut [f32]) {
+    unsafe fn weigh_values(weights: &[f32], values: *const f32, out: &mut [f32]) {
         let dim = out.len();
         let vectors = dim / LANES;
         let mut first = 0;
         while first + GROUP <= vectors {
-            weigh_group::<GROUP>(weights, keys, values, dim, first, out);
+            weigh_group::<GROUP>(weights, values, dim, first, out);
             first += GROUP;
         }
         while first < vectors {
-            weigh_group::<1>(weights, keys, values, dim, first, out);
+            weigh_group::<1>(weights, values, dim, first, out);
             first += 1;
         }
         for (t, feature) in out.iter_mut().enumerate().skip(vectors * LANES) {
-            for (&weight, &key) in weights.iter().zip(keys) {
-                *feature = weight.mul_add(*values.add(key * dim + t), *feature);
+            for (k, &weight) in weights.iter().enumerate() {
+                *feature = weight.mul_add(*values.add(k * dim + t), *feature);
             }
         }
     }
@@ -496,22 +676,22 @@ mod kernel {
     #[inline]
     unsafe fn weigh_group<const N: usize>(
         weights: &[f32],
-        keys: &[usize],
         values: *const f32,
         dim: usize,
         first: usize,
         out: &mut [f32],
     ) {
-        let mut acc = [_mm256_setzero_ps(); N];
-        for (&weight, &key) in weights.iter().zip(keys) {
-            let value = values.add(key * dim + first * LANES);
+        let out = out.as_mut_ptr().add(first * LANES);
+        let mut acc: [__m256; N] = std::array::from_fn(|v| _mm256_loadu_ps(out.add(v * LANES)));
+        for (k, &weight) in weights.iter().enumerate() {
+            let value = values.add(k * dim + first * LANES);
             let w = _mm256_set1_ps(weight);
             for (v, a) in acc.iter_mut().enumerate() {
                 *a = _mm256_fmadd_ps(w, _mm256_loadu_ps(value.add(v * LANES)), *a);
             }
         }
         for (v, a) in acc.iter().enumerate() {
-            _mm256_storeu_ps(out.as_mut_ptr().add((first + v) * LANES), *a);
+            _mm256_storeu_ps(out.add(v * LANES), *a);
         }
     }
 
@@ -558,16 +738,58 @@ pub(crate) use kernel::exp as exp_nonpositive;
 /// Elsewhere [`applies`] is false and this is never called.
 #[cfg(not(target_arch = "x86_64"))]
 mod kernel {
-    use super::{KeysOf, Scratch};
+    use super::{Row, Scratch};
 
-    pub(super) unsafe fn attend_row(
-        _: &[f32],
-        _: &KeysOf,
+    pub(super) unsafe fn attend_chunk(
+        _: Vec<Row>,
         _: f32,
         _: (*const f32, *const f32),
         _: &mut Scratch,
-        _: &mut [f32],
     ) {
         unreachable!("row attention runs only where the row kernel does")
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Runs of a mask read eight bytes at a time where they can: every mask of up to 20 keys
+    /// from a fixed pattern and its shifts gives the runs a plain scan gives.
+    #[test]
+    fn mask_runs_are_the_runs_of_true_in_order() {
+        let pattern = [
+            1, 1, 1, 1, 1, 1, 1, 1, 1, 0, 1, 0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 0, 1, 1,
+        ];
+        for len in 0..=20 {
+            for shift in 0..pattern.len() {
+                let mask: Vec<bool> = (0..len)
+                    .map(|k| pattern[(k + shift) % pattern.len()] == 1)
+                    .collect();
+                let mut runs = Vec::new();
+                mask_runs(&mask, &mut runs);
+                let mut want: Vec<std::ops::Range<usize>> = Vec::new();
+                for k in (0..len).filter(|&k| mask[k]) {
+                    match want.last_mut() {
+                        Some(run) if run.end == k => run.end += 1,
+                        _ => want.push(k..k + 1),
+                    }
+                }
+                assert_eq!(runs, want, "{mask:?}");
+            }
+        }
+    }
+
+    /// Eight horizontal sums at once give each lane the bits of one sum at a time.
+    #[cfg(target_arch = "x86_64")]
+    #[test]
+    fn horizontal_sums_together_equal_one_at_a_time() {
+        if !row_kernel::available() {
+            return;
+        }
+        let values = Tensor::randn([8, 8], (Kind::Float, Device::Cpu));
+        let values = Vec::<f32>::try_from(values.view(-1)).unwrap();
+        let (together, alone) = unsafe { kernel::sums_both_ways(&values) };
+        assert_eq!(together.map(f32::to_bits), alone.map(f32::to_bits));
     }
 }
