@@ -428,7 +428,13 @@ mod kernel {
     ) {
         let len = scratch.len;
         let padded = Scratch::padded(len);
-        score_keys(&rows, keys, len, scale, &mut scratch.scores);
+        // Head widths of common models as constants (see `lane_sums`), any other as it comes.
+        let scores = &mut scratch.scores;
+        match rows.first().map_or(0, |row| row.query.len()) {
+            64 => score_keys::<8>(&rows, keys, len, scale, scores),
+            128 => score_keys::<16>(&rows, keys, len, scale, scores),
+            _ => score_keys::<0>(&rows, keys, len, scale, scores),
+        }
         // Each row's sum of weights; none where it may attend to no key (its output stays zero).
         let mut sums = [None; super::CHUNK_ROWS];
         for (r, row) in rows.iter_mut().enumerate() {
@@ -495,7 +501,7 @@ mod kernel {
     /// for every row (the keys stay in L1 meanwhile), their horizontal sums taken together by
     /// [`horizontal_sums`] (one sum at a time cost about as much as the products themselves).
     #[target_feature(enable = "avx2,fma")]
-    unsafe fn score_keys(
+    unsafe fn score_keys<const VECTORS: usize>(
         rows: &[Row],
         keys: *const f32,
         len: usize,
@@ -510,7 +516,7 @@ mod kernel {
         for block in (0..len / LANES * LANES).step_by(LANES) {
             for (r, row) in rows.iter().enumerate() {
                 let sums: [__m256; LANES] =
-                    std::array::from_fn(|k| lane_sums(row.query, key(block + k)));
+                    std::array::from_fn(|k| lane_sums::<VECTORS>(row.query, key(block + k)));
                 let out = scores.as_mut_ptr().add(r * len + block);
                 if whole {
                     _mm256_storeu_ps(
@@ -537,7 +543,7 @@ mod kernel {
     #[target_feature(enable = "avx2,fma")]
     #[inline]
     unsafe fn dot(query: &[f32], key: *const f32) -> f32 {
-        tail(query, key, horizontal_sum(lane_sums(query, key)))
+        tail(query, key, horizontal_sum(lane_sums::<0>(query, key)))
     }
 
     /// `sum` plus the products of the features past the last whole vector, in order.
@@ -554,23 +560,23 @@ mod kernel {
     /// alternating accumulators, then their sum: lane `l` holds the features `l mod LANES`.
     #[target_feature(enable = "avx2,fma")]
     #[inline]
-    unsafe fn lane_sums(query: &[f32], key: *const f32) -> __m256 {
-        let full = query.len() / LANES * LANES;
+    unsafe fn lane_sums<const VECTORS: usize>(query: &[f32], key: *const f32) -> __m256 {
+        // A constant where the caller knows the width (then the loop unrolls and the query
+        // stays in registers across keys), else the query's.
+        let vectors = match VECTORS {
+            0 => query.len() / LANES,
+            known => known,
+        };
+        let load = |p: *const f32, v: usize| _mm256_loadu_ps(p.add(v * LANES));
         let (mut even, mut odd) = (_mm256_setzero_ps(), _mm256_setzero_ps());
-        let mut at = 0;
-        while at + 2 * LANES <= full {
-            let q = query.as_ptr().add(at);
-            even = _mm256_fmadd_ps(_mm256_loadu_ps(q), _mm256_loadu_ps(key.add(at)), even);
-            odd = _mm256_fmadd_ps(
-                _mm256_loadu_ps(q.add(LANES)),
-                _mm256_loadu_ps(key.add(at + LANES)),
-                odd,
-            );
-            at += 2 * LANES;
+        for pair in 0..vectors / 2 {
+            let (v, q) = (2 * pair, query.as_ptr());
+            even = _mm256_fmadd_ps(load(q, v), load(key, v), even);
+            odd = _mm256_fmadd_ps(load(q, v + 1), load(key, v + 1), odd);
         }
-        if at < full {
-            let q = query.as_ptr().add(at);
-            even = _mm256_fmadd_ps(_mm256_loadu_ps(q), _mm256_loadu_ps(key.add(at)), even);
+        if vectors % 2 == 1 {
+            let v = vectors - 1;
+            even = _mm256_fmadd_ps(load(query.as_ptr(), v), load(key, v), even);
         }
         _mm256_add_ps(even, odd)
     }
