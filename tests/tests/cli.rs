@@ -364,6 +364,20 @@ fn bench_writes_the_documented_json_fields() {
         .map(|p| p["question_id"].as_u64().unwrap())
         .collect();
     assert_eq!(ids, vec![0, 2, 4], "one prompt per block of the file");
+    let curve = &report["rows_curve"];
+    let rows: Vec<u64> = serde_json::from_value(curve["rows"].clone()).unwrap();
+    let seconds: Vec<f64> = serde_json::from_value(curve["seconds"].clone()).unwrap();
+    assert_eq!(rows[..3], [1, 2, 3], "{curve}");
+    assert_eq!(
+        (rows.len(), rows.last()),
+        (seconds.len(), Some(&64)),
+        "{curve}"
+    );
+    assert!(seconds.iter().all(|&s| s > 0.0), "{curve}");
+    assert!(
+        curve["int8_macs_per_s"].is_null(),
+        "dense weights have no int8 roof"
+    );
 }
 
 /// Regression (issue 19): `bench --questions` took only numeric ids; HumanEval's are strings.

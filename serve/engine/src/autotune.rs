@@ -45,11 +45,29 @@ impl LatencyProfile {
     /// Median of `reps` forwards of one token (plain decoding: causal, no mask) and of each tree
     /// size in [`TREE_SIZES`] (+1 for the root, tree-masked) after a `prefix`-token prompt.
     pub fn measure(target: &Target, prefix: usize, reps: usize) -> Result<Self> {
+        let rows: Vec<usize> = std::iter::once(1)
+            .chain(TREE_SIZES.map(|size| size + 1))
+            .collect();
+        Self::measure_rows(target, prefix, reps, &rows)
+    }
+
+    /// Median of `reps` forwards of each number of new tokens in `rows` (ascending) after a
+    /// `prefix`-token prompt: one token as plain decoding runs it (causal, no mask), more as a
+    /// tree-masked chain (the same work as any tree of that size).
+    pub fn measure_rows(
+        target: &Target,
+        prefix: usize,
+        reps: usize,
+        rows: &[usize],
+    ) -> Result<Self> {
         let _no_grad = tch::no_grad_guard();
         let cpu = target.cpu.decode();
-        let largest = TREE_SIZES[TREE_SIZES.len() - 1] + 1;
+        let largest = rows.iter().copied().max().unwrap_or(1);
         let mut cache = target.new_cache(1, prefix + largest)?;
-        let tokens = |n: usize| -> Vec<u32> { (0..n).map(|i| (100 + i % 1000) as u32).collect() };
+        // Any ids the vocabulary has: the work does not depend on them.
+        let vocab = target.model.config().vocab_size;
+        let tokens =
+            |n: usize| -> Vec<u32> { (0..n).map(|i| ((100 + i) % vocab) as u32).collect() };
         let forward = |cache: &mut KvCache, input: &TreeInput| -> Result<f64> {
             let start = Instant::now();
             let output = target
@@ -68,12 +86,11 @@ impl LatencyProfile {
             tokens: Vec::new(),
             seconds: Vec::new(),
         };
-        for size in std::iter::once(0).chain(TREE_SIZES) {
-            let n = size + 1;
+        for &n in rows {
             // A chain-shaped tree: the same work as any tree of this size. Plain decoding (no
             // tree) runs without a mask, as it does in the engine.
-            let input = match size {
-                0 => TreeInput::causal(prefix, &tokens(n), target.device),
+            let input = match n {
+                1 => TreeInput::causal(prefix, &tokens(n), target.device),
                 _ => {
                     let parents: Vec<Option<usize>> = (0..n).map(|i| i.checked_sub(1)).collect();
                     TreeInput::tree(prefix, &tokens(n), &parents, target.device)?

@@ -5,6 +5,7 @@
 //! token included, so plain decoding has τ = 1. Speedups compare with `ar` measured in the same
 //! run on the same prompts, the two alternating question by question.
 
+mod curve;
 mod host;
 mod plot;
 mod questions;
@@ -19,6 +20,7 @@ use headway_engine::drafters::{Drafter, NoDrafter};
 use headway_engine::engine::{generate_speculative, SpecGeneration};
 use headway_model::{Message, Sampler, SamplingArgs, SamplingParams, Target, TargetArgs};
 
+pub use curve::RowsCurve;
 pub use host::HostFigures;
 pub use questions::{
     load_questions, spec_bench_category, spread, tuning_questions, Question, QuestionId,
@@ -131,8 +133,10 @@ pub fn run(args: BenchArgs) -> anyhow::Result<()> {
     )?;
     let settings = settings(&args, &target, &questions, &options, tuning.as_ref(), &run);
     host.record_memory();
+    let curve = RowsCurve::measure(&target, &host)?;
     let mut report = report(&label, settings, &run, ar.as_ref());
     report.host = Some(host);
+    report.rows_curve = Some(curve);
     let mut table = markdown(&report);
     if let Some(tuning) = &tuning {
         table.push_str(&format!(

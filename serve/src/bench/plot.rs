@@ -141,6 +141,7 @@ mod tests {
             .into_iter()
             .collect(),
             identical_to_ar: Some(0),
+            rows_curve: None,
             per_prompt: Vec::new(),
         };
         let svg = svg(&report).unwrap();

@@ -6,6 +6,7 @@ use std::collections::BTreeMap;
 use headway_engine::engine::SpecGeneration;
 use serde::{Deserialize, Serialize};
 
+use super::curve::RowsCurve;
 use super::host::HostFigures;
 use super::questions::{spec_bench_category, QuestionId};
 
@@ -195,6 +196,10 @@ pub struct BenchReport {
     /// arithmetic under verification differs from decoding's); `None` without a baseline.
     #[serde(default)]
     pub identical_to_ar: Option<usize>,
+    /// The target's forward time by new tokens beside the host's roof (absent in reports of
+    /// older versions).
+    #[serde(default)]
+    pub rows_curve: Option<RowsCurve>,
     pub per_prompt: Vec<PromptResult>,
 }
 
@@ -250,6 +255,7 @@ pub fn report(
             let differing = differing_prompts(&run.results, &a.results).len();
             run.results.len().saturating_sub(differing)
         }),
+        rows_curve: None,
         per_prompt: run.results.clone(),
     }
 }
@@ -331,6 +337,9 @@ pub fn markdown(report: &BenchReport) -> String {
             .map(|(d, a)| format!("α{} {a:.3}", d + 1))
             .collect();
         out.push_str(&format!("\nAcceptance per depth: {}\n", rates.join(", ")));
+    }
+    if let Some(curve) = &report.rows_curve {
+        out.push_str(&curve.markdown());
     }
     out
 }

@@ -1,0 +1,157 @@
+//! What verifying more rows costs: the target's forward time for 1–16, 24, 32 and 64 new tokens
+//! after a prompt, each as a multiple of one row's, beside the roof the host sets — reading the
+//! step's weights at the rate the run measured, and (for quantised weights) their int8
+//! multiply-accumulates at the rate the kernel's instruction reaches on this host. Speculative
+//! decoding pays only while k rows cost about one: this is the curve that says how far that holds.
+
+use headway_engine::autotune::LatencyProfile;
+use headway_model::quant_kernel::{detected_isa, int8_mac_rate};
+use headway_model::roof::roofline_seconds;
+use headway_model::Target;
+use serde::{Deserialize, Serialize};
+
+use super::HostFigures;
+
+/// New tokens per forward the curve measures.
+const CURVE_ROWS: [usize; 19] = [
+    1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 24, 32, 64,
+];
+
+/// The prompt before each forward (shorter where the model's positions end first).
+const CURVE_PREFIX: usize = 500;
+
+/// Forwards per point, the median kept.
+const REPS: usize = 5;
+
+/// The target's forward time by new tokens, and the host's roof for each.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct RowsCurve {
+    /// Tokens in the cache before each forward.
+    pub prefix: usize,
+    pub rows: Vec<usize>,
+    pub seconds: Vec<f64>,
+    /// Weight bytes a forward reads, whatever its rows.
+    pub weight_bytes: usize,
+    /// Multiply-accumulates per row of the weights.
+    pub macs_per_row: usize,
+    /// The run's best read rate (its threads together).
+    pub read_bytes_per_s: f64,
+    /// The int8 MAC rate of the run's threads (one thread's, measured, times the threads), where
+    /// the weights run quantised; `None` elsewhere (no compute roof is measured for f32/bf16).
+    pub int8_macs_per_s: Option<f64>,
+}
+
+impl RowsCurve {
+    /// Measures `target`'s curve after [`CURVE_PREFIX`] tokens, with `host`'s read rate.
+    pub fn measure(target: &Target, host: &HostFigures) -> anyhow::Result<Self> {
+        let largest = CURVE_ROWS[CURVE_ROWS.len() - 1];
+        let positions = target.model.config().max_position_embeddings;
+        let prefix = CURVE_PREFIX.min(positions.saturating_sub(largest + 1));
+        let profile = LatencyProfile::measure_rows(target, prefix, REPS, &CURVE_ROWS)?;
+        let model = &target.model;
+        let macs_per_row = model
+            .decode_step_matrices()
+            .map(|m| m.shape().iter().product::<i64>() as usize)
+            .sum();
+        let int8_macs_per_s = model
+            .runs_quantised()
+            .then(|| int8_mac_rate(detected_isa()) * host.threads as f64)
+            .filter(|rate| *rate > 0.0);
+        Ok(Self {
+            prefix,
+            rows: profile.tokens,
+            seconds: profile.seconds,
+            weight_bytes: host.decode_step_bytes,
+            macs_per_row,
+            read_bytes_per_s: host.read_bytes_per_s,
+            int8_macs_per_s,
+        })
+    }
+
+    /// The fastest `rows` rows' weights can go: read once, multiplied `rows` times.
+    fn roof_seconds(&self, rows: usize) -> f64 {
+        let macs = (rows * self.macs_per_row) as f64;
+        let mac_rate = self.int8_macs_per_s.unwrap_or(f64::INFINITY);
+        roofline_seconds(
+            self.weight_bytes as f64,
+            macs,
+            self.read_bytes_per_s,
+            mac_rate,
+        )
+    }
+
+    /// A markdown table: rows, ms, × one row, the roof's ms and the time as a multiple of it.
+    pub fn markdown(&self) -> String {
+        let roof = match self.int8_macs_per_s {
+            Some(rate) => format!(
+                "the slower of reading {:.1} MB of weights at {:.1} GB/s and {:.1} M int8 MACs a \
+                 row at {:.0} G/s",
+                self.weight_bytes as f64 / 1e6,
+                self.read_bytes_per_s / 1e9,
+                self.macs_per_row as f64 / 1e6,
+                rate / 1e9
+            ),
+            None => format!(
+                "reading {:.1} MB of weights at {:.1} GB/s (no compute roof measured for dense \
+                 weights)",
+                self.weight_bytes as f64 / 1e6,
+                self.read_bytes_per_s / 1e9
+            ),
+        };
+        let mut out = format!(
+            "\nForward time by new tokens after a {}-token prompt; roof: {roof}.\n\n\
+             | rows | ms | × 1 row | roof ms | × roof |\n|---:|---:|---:|---:|---:|\n",
+            self.prefix
+        );
+        let one = self.seconds.first().copied().unwrap_or(f64::NAN);
+        for (&rows, &seconds) in self.rows.iter().zip(&self.seconds) {
+            let roof = self.roof_seconds(rows);
+            out.push_str(&format!(
+                "| {rows} | {:.2} | {:.2} | {:.2} | {:.2} |\n",
+                seconds * 1e3,
+                seconds / one,
+                roof * 1e3,
+                seconds / roof
+            ));
+        }
+        out
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn curve(int8_macs_per_s: Option<f64>) -> RowsCurve {
+        RowsCurve {
+            prefix: 500,
+            rows: vec![1, 2, 64],
+            seconds: vec![0.004, 0.005, 0.040],
+            weight_bytes: 100_000_000,
+            macs_per_row: 100_000_000,
+            read_bytes_per_s: 50e9,
+            int8_macs_per_s,
+        }
+    }
+
+    /// One row is bound by the read (2 ms), 64 rows by the MACs (6.4e9 at 400 G/s: 16 ms); with no
+    /// compute roof, every row count by the read alone.
+    #[test]
+    fn the_roof_is_the_read_until_the_multiplies_take_longer() {
+        let quantised = curve(Some(400e9));
+        assert!((quantised.roof_seconds(1) - 0.002).abs() < 1e-12);
+        assert!((quantised.roof_seconds(64) - 0.016).abs() < 1e-12);
+        let table = quantised.markdown();
+        assert!(
+            table.contains("| 64 | 40.00 | 10.00 | 16.00 | 2.50 |"),
+            "{table}"
+        );
+        assert!(
+            table.contains("| 1 | 4.00 | 1.00 | 2.00 | 2.00 |"),
+            "{table}"
+        );
+        let dense = curve(None);
+        assert!((dense.roof_seconds(64) - 0.002).abs() < 1e-12);
+        assert!(dense.markdown().contains("no compute roof"));
+    }
+}
