@@ -421,8 +421,13 @@ pub struct QuantisedRows {
 }
 
 impl QuantisedRows {
-    /// Quantises `x`, `rows × cols` floats (`cols` a multiple of 32).
+    /// Quantises `x`, `rows × cols` floats (`cols` a multiple of 32), eight values a step where
+    /// the CPU has AVX2 (the same values as one at a time: see [`Self::quantise_block`]).
     pub fn new(x: &[f32], cols: usize) -> Self {
+        Self::quantised_with(x, cols, detected_isa())
+    }
+
+    fn quantised_with(x: &[f32], cols: usize, isa: Isa) -> Self {
         assert!(cols.is_multiple_of(BLOCK), "rows of whole blocks");
         let blocks = x.len() / BLOCK;
         let mut rows = Self {
@@ -434,23 +439,34 @@ impl QuantisedRows {
             half_sum_q: Vec::with_capacity(blocks),
         };
         for (values, q) in x.chunks_exact(BLOCK).zip(rows.q.chunks_exact_mut(BLOCK)) {
-            let amax = values.iter().fold(0f32, |a, v| a.max(v.abs()));
-            let d = amax / 127.0;
-            let inverse = if d != 0.0 { 1.0 / d } else { 0.0 };
-            let (mut total, mut first_half) = (0i32, 0i32);
-            for (e, (value, q)) in values.iter().zip(q.iter_mut()).enumerate() {
-                *q = round_half_away(value * inverse) as i8;
-                total += i32::from(*q);
-                if e == BLOCK / 2 - 1 {
-                    first_half = total;
-                }
-            }
+            let values: &[f32; BLOCK] = values.try_into().expect("a whole block");
+            let q: &mut [i8; BLOCK] = q.try_into().expect("a whole block");
+            let (d, total, first_half) = match isa {
+                // SAFETY: `isa` is the detected one, which has AVX2 unless portable.
+                #[cfg(target_arch = "x86_64")]
+                Isa::Avx2 | Isa::Vnni => unsafe { simd::quantise_block(values, q) },
+                _ => Self::quantise_block(values, q),
+            };
             rows.d.push(d);
             rows.sum.push(d * total as f32);
             rows.sum_q.push(total);
             rows.half_sum_q.push(first_half);
         }
         rows
+    }
+
+    /// One block: `d = max|x| / 127`, `q = round(x / d)` (as `x · (1/d)`, halves away from
+    /// zero), and the block's and its first half's `Σq`.
+    fn quantise_block(values: &[f32; BLOCK], q: &mut [i8; BLOCK]) -> (f32, i32, i32) {
+        let amax = values.iter().fold(0f32, |a, v| a.max(v.abs()));
+        let d = amax / 127.0;
+        let inverse = if d != 0.0 { 1.0 / d } else { 0.0 };
+        for (value, q) in values.iter().zip(q.iter_mut()) {
+            *q = round_half_away(value * inverse) as i8;
+        }
+        let half_sum = |half: &[i8]| half.iter().map(|&q| i32::from(q)).sum::<i32>();
+        let (first, second) = q.split_at(BLOCK / 2);
+        (d, half_sum(first) + half_sum(second), half_sum(first))
     }
 
     fn rows(&self) -> usize {
@@ -930,6 +946,53 @@ mod simd {
         _mm256_dpbusd_epi32(acc, unsigned, signed)
     }
 
+    /// [`QuantisedRows::quantise_block`] eight values a step, the same values: the maximum is
+    /// exact in any order, `x · (1/d)` is one rounding either way, and halves round away from
+    /// zero by the same truncation and comparison as [`super::round_half_away`].
+    ///
+    /// # Safety
+    /// AVX2 is available.
+    #[target_feature(enable = "avx2")]
+    pub(super) unsafe fn quantise_block(
+        values: &[f32; BLOCK],
+        q: &mut [i8; BLOCK],
+    ) -> (f32, i32, i32) {
+        let vectors: [__m256; BLOCK / LANES] =
+            std::array::from_fn(|v| _mm256_loadu_ps(values.as_ptr().add(v * LANES)));
+        let sign = _mm256_set1_ps(-0.0);
+        let amax = vectors.iter().fold(_mm256_setzero_ps(), |m, &v| {
+            _mm256_max_ps(m, _mm256_andnot_ps(sign, v))
+        });
+        let mut lanes = [0f32; LANES];
+        _mm256_storeu_ps(lanes.as_mut_ptr(), amax);
+        let d = lanes.iter().fold(0f32, |a, &v| a.max(v)) / 127.0;
+        let inverse = _mm256_set1_ps(if d != 0.0 { 1.0 / d } else { 0.0 });
+        let half = _mm256_set1_ps(0.5);
+        let ints: [__m256i; BLOCK / LANES] = vectors.map(|v| {
+            let y = _mm256_mul_ps(v, inverse);
+            let truncated = _mm256_cvttps_epi32(y);
+            let fraction = _mm256_sub_ps(y, _mm256_cvtepi32_ps(truncated));
+            // The comparisons' masks are −1 where true: less the first is up by one, plus the
+            // second down by one.
+            let up = _mm256_castps_si256(_mm256_cmp_ps::<_CMP_GE_OQ>(fraction, half));
+            let down = _mm256_castps_si256(_mm256_cmp_ps::<_CMP_LE_OQ>(
+                fraction,
+                _mm256_sub_ps(_mm256_setzero_ps(), half),
+            ));
+            _mm256_add_epi32(_mm256_sub_epi32(truncated, up), down)
+        });
+        let mut all = [0i32; BLOCK];
+        for (v, ints) in ints.iter().enumerate() {
+            _mm256_storeu_si256(all.as_mut_ptr().add(v * LANES) as *mut __m256i, *ints);
+        }
+        for (q, &value) in q.iter_mut().zip(&all) {
+            *q = value as i8;
+        }
+        let (first, second) = all.split_at(BLOCK / 2);
+        let first: i32 = first.iter().sum();
+        (d, first + second.iter().sum::<i32>(), first)
+    }
+
     /// Independent accumulator chains of [`dot4_rounds_vnni`] and [`dot4_rounds_avx2`]: enough to
     /// cover the instruction's latency on the hosts seen.
     pub(super) const CHAINS: usize = 12;
@@ -1137,6 +1200,34 @@ mod tests {
         }
         let rows = QuantisedRows::new(&[2.5f32; 32], 32);
         assert!(rows.q.iter().all(|&q| q == 127));
+    }
+
+    /// Eight values a step quantise as one at a time: random rows, rows of exact halves of the
+    /// scale (every rounding tie), zeros and a lone value.
+    #[test]
+    fn activations_quantise_alike_on_every_instruction_set() {
+        // Scales 1 and ½ exactly (maxima 127 and 63.5), so that x / d lands on every half.
+        let tie = |k: usize, amax: f32| match k % 32 {
+            0 => amax,
+            i => (i as f32 - 15.5) * amax / 127.0,
+        };
+        let ties: Vec<f32> = (0..64)
+            .map(|k| tie(k, if k < 32 { 127.0 } else { 63.5 }))
+            .collect();
+        let mut lone = vec![0f32; 64];
+        lone[37] = -3.0;
+        let rows = [random(640, 11), ties, vec![0.0; 64], lone];
+        for x in rows {
+            let portable = QuantisedRows::quantised_with(&x, 32, Isa::Portable);
+            for isa in isas() {
+                let got = QuantisedRows::quantised_with(&x, 32, isa);
+                assert_eq!(got.q, portable.q, "{isa:?}");
+                assert_eq!(got.d, portable.d, "{isa:?}");
+                assert_eq!(got.sum, portable.sum, "{isa:?}");
+                assert_eq!(got.sum_q, portable.sum_q, "{isa:?}");
+                assert_eq!(got.half_sum_q, portable.half_sum_q, "{isa:?}");
+            }
+        }
     }
 
     #[test]
