@@ -553,12 +553,20 @@ pub fn int8_mac_rate(isa: Isa) -> f64 {
     }
 }
 
-/// Octets per block of output features, activation rows per pass: a block of packed weights
-/// stays in L1/L2 while activation rows pass over it, and each octet's unpacked block serves
-/// [`ROW_BLOCK`] rows. Eight rather than four: one pass instead of two for the 5–8 rows of a
-/// small verified tree (`--example quant_kernel`, Q4_1 on VNNI: 8 rows 2.44 → 1.96 ms).
+/// Octets per block of output features: a block of packed weights stays in L1/L2 while every
+/// pass of activation rows goes over it.
 const OCTET_BLOCK: usize = 8;
-const ROW_BLOCK: usize = 8;
+
+/// Activation rows one pass over an octet's unpacked block serves. Eight, one pass for the 5–8
+/// rows of a small verified tree (`--example quant_kernel`, VNNI, 8 rows: Q4_0 2.35 → 2.02 ms,
+/// Q4_1 2.40 → 2.10, Q5_0 2.78 → 2.27); four for the K types, whose per-block scales leave
+/// too few registers for eight rows' sums (8 rows: Q4_K 2.32 → 2.75, Q6_K 3.55 → 4.30 ms).
+fn pass_rows(format: QuantFormat) -> usize {
+    match format {
+        QuantFormat::Q4_K | QuantFormat::Q6_K => 4,
+        _ => 8,
+    }
+}
 
 /// Output features a part of a split should start at a multiple of: whole octets, so that two
 /// threads never unpack the same weights.
@@ -587,7 +595,7 @@ pub unsafe fn columns(
         let block_end = (block + OCTET_BLOCK).min(octets.end);
         let mut row = 0;
         while row < rows {
-            let rows_end = (row + ROW_BLOCK).min(rows);
+            let rows_end = (row + pass_rows(w.format())).min(rows);
             for octet in block..block_end {
                 let tile = Tile { row, octet };
                 let lanes = (octet * LANES).max(first)..(octet * LANES + LANES).min(end);
