@@ -6,7 +6,8 @@
 //! instruction's measured peak (both printed; compare with the f32 row kernel:
 //! `--example row_kernel`).
 //!
-//! cargo run --release -p headway-model --example quant_kernel
+//! cargo run --release -p headway-model --example quant_kernel [-- FORMAT...]
+//! (formats by name, e.g. `Q4_1 Q8_0`; all of them without)
 
 #[path = "shared/timing.rs"]
 mod timing;
@@ -35,7 +36,11 @@ fn main() {
             rate / 1e9
         );
     }
-    for format in QuantFormat::ALL {
+    let wanted: Vec<String> = std::env::args().skip(1).collect();
+    let formats = QuantFormat::ALL
+        .into_iter()
+        .filter(|f| wanted.is_empty() || wanted.iter().any(|w| w == f.name()));
+    for format in formats {
         let (out, inputs) = match IN % format.row_multiple() {
             0 => (OUT, IN),
             _ => (IN, OUT),
@@ -58,7 +63,7 @@ fn main() {
             bytes / 1e6,
             read / 1e9
         );
-        for rows in [1, 2, 3, 4, 5, 6, 8, 12, 16, 32, 64] {
+        for rows in [1, 2, 3, 4, 5, 6, 7, 8, 12, 16, 32, 64] {
             let x: Vec<f32> = (0..rows * inputs)
                 .map(|i| (i % 5) as f32 * 0.1 - 0.2)
                 .collect();

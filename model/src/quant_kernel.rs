@@ -736,18 +736,43 @@ mod simd {
         signs: [__m256i; STEPS],
     }
 
+    /// Runs `$body` with `$r` bound to each of `0..$rows` (at most eight), written out rather
+    /// than looped: a loop over eight rows' products is too long for the compiler to unroll, and
+    /// rolled it keeps every row's sums in memory.
+    macro_rules! each_row {
+        ($rows:expr, $r:ident, $body:block) => {
+            each_row!(@ $rows, $r, $body, 0 1 2 3 4 5 6 7)
+        };
+        (@ $rows:expr, $r:ident, $body:block, $($k:literal)*) => {
+            $(if $k < $rows {
+                let $r: usize = $k;
+                $body
+            })*
+        };
+    }
+
     /// The kernel for one instruction set: `$dot4` adds four adjacent products of unsigned and
-    /// signed bytes to each i32 lane.
+    /// signed bytes to each i32 lane; `$offset_signed` says whether it sums them without
+    /// saturating, so that signed weights can be offset to unsigned ones (`w + 128`, the
+    /// activations' `128 Σx` taken off after: the same integers) rather than their signs moved
+    /// onto every row's activations.
     macro_rules! tile_kernel {
-        ($name:ident, $features:literal, $dot4:ident) => {
+        ($name:ident, $features:literal, $dot4:ident, $offset_signed:literal) => {
             #[target_feature(enable = $features)]
             pub(crate) unsafe fn $name<const FORMAT: u8, const R: usize>(
                 tile: Tile,
                 x: &QuantisedRows,
                 w: &PackedMatrix,
             ) -> [[f32; LANES]; R] {
+                const { assert!(R <= 8, "at most eight rows a pass") };
                 // A constant in each instance, so that every format gets its own loop.
                 let format = QuantFormat::from_code(FORMAT);
+                let offset_signed = $offset_signed && !format.nibbles();
+                let offset = if offset_signed {
+                    128
+                } else {
+                    format.quant_offset()
+                };
                 let (blocks, unit) = (x.blocks_per_row(), unit_blocks(format));
                 let mut at = w
                     .data
@@ -756,58 +781,73 @@ mod simd {
                 let mut halves = [[_mm256_setzero_ps(); 2]; R];
                 let mut minimum = [_mm256_setzero_ps(); R];
                 let mut shared = Shared::zeros();
-                for b in 0..blocks {
-                    if format.shared_fields() > 0 && b % unit == 0 {
-                        shared = Shared::load::<FORMAT>(at);
-                        at = at.add(shared_octet_bytes(format));
-                    }
-                    let header = Header::load::<FORMAT>(at, &shared);
-                    let weights = unpack::<FORMAT>(at);
-                    for r in 0..R {
-                        let block_at = (tile.row + r) * blocks + b;
-                        let xq = x.q.as_ptr().add(block_at * BLOCK);
-                        // The integer sums of the block's halves (steps 0..4 cover values 0..16).
-                        // (A loop, not a closure: closures do not take the target features.)
-                        let mut halves_ints = [_mm256_setzero_si256(); 4];
-                        for step in 0..STEPS {
-                            let x4 = activations::<FORMAT>(&weights, step, xq);
-                            let sum = &mut halves_ints[step / (STEPS / 2) * 2 + step % 2];
-                            *sum = $dot4(*sum, weights.unsigned[step], x4);
+                // One block's products into each row's accumulator of parity `$parity` (a
+                // constant, so that the accumulators can stay in registers).
+                macro_rules! block {
+                    ($b:expr, $parity:literal) => {{
+                        let b = $b;
+                        if format.shared_fields() > 0 && b % unit == 0 {
+                            shared = Shared::load::<FORMAT>(at);
+                            at = at.add(shared_octet_bytes(format));
                         }
-                        let first = _mm256_add_epi32(halves_ints[0], halves_ints[1]);
-                        let second = _mm256_add_epi32(halves_ints[2], halves_ints[3]);
-                        let (offset, sum_q) =
-                            (format.quant_offset(), *x.sum_q.get_unchecked(block_at));
-                        let ints = match header.half_scales {
-                            Some([s0, s1]) => {
-                                // Each half's offset before its scale.
-                                let first_x = *x.half_sum_q.get_unchecked(block_at);
-                                let x0 = _mm256_set1_epi32(offset * first_x);
-                                let x1 = _mm256_set1_epi32(offset * (sum_q - first_x));
-                                _mm256_add_epi32(
-                                    _mm256_mullo_epi32(_mm256_sub_epi32(first, x0), s0),
-                                    _mm256_mullo_epi32(_mm256_sub_epi32(second, x1), s1),
-                                )
+                        let header = Header::load::<FORMAT>(at, &shared);
+                        let weights = unpack::<FORMAT>(at, offset_signed);
+                        each_row!(R, r, {
+                            let block_at = (tile.row + r) * blocks + b;
+                            let xq = x.q.as_ptr().add(block_at * BLOCK);
+                            // The integer sums of the block's halves (steps 0..4 cover values
+                            // 0..16), each in two chains when few rows leave the dot products'
+                            // latency exposed.
+                            let mut halves_ints = [_mm256_setzero_si256(); 4];
+                            for step in 0..STEPS {
+                                let x4 = activations::<FORMAT>(&weights, step, xq, offset_signed);
+                                let chain = if R < 4 { step % 2 } else { 0 };
+                                let sum = &mut halves_ints[step / (STEPS / 2) * 2 + chain];
+                                *sum = $dot4(*sum, weights.unsigned[step], x4);
                             }
-                            None if offset != 0 => _mm256_sub_epi32(
-                                _mm256_add_epi32(first, second),
-                                _mm256_set1_epi32(offset * sum_q),
-                            ),
-                            None => _mm256_add_epi32(first, second),
-                        };
-                        let scale = _mm256_mul_ps(
-                            header.scale,
-                            _mm256_set1_ps(*x.d.get_unchecked(block_at)),
-                        );
-                        let half = &mut halves[r][b % 2];
-                        *half = _mm256_fmadd_ps(_mm256_cvtepi32_ps(ints), scale, *half);
-                        if format.has_minimum() {
-                            let sum = _mm256_set1_ps(*x.sum.get_unchecked(block_at));
-                            minimum[r] = _mm256_fmadd_ps(header.minimum, sum, minimum[r]);
-                        }
-                    }
-                    at = at.add(octet_bytes(format));
+                            let first = _mm256_add_epi32(halves_ints[0], halves_ints[1]);
+                            let second = _mm256_add_epi32(halves_ints[2], halves_ints[3]);
+                            let sum_q = *x.sum_q.get_unchecked(block_at);
+                            let ints = match header.half_scales {
+                                Some([s0, s1]) => {
+                                    // Each half's offset before its scale.
+                                    let first_x = *x.half_sum_q.get_unchecked(block_at);
+                                    let x0 = _mm256_set1_epi32(offset * first_x);
+                                    let x1 = _mm256_set1_epi32(offset * (sum_q - first_x));
+                                    _mm256_add_epi32(
+                                        _mm256_mullo_epi32(_mm256_sub_epi32(first, x0), s0),
+                                        _mm256_mullo_epi32(_mm256_sub_epi32(second, x1), s1),
+                                    )
+                                }
+                                None if offset != 0 => _mm256_sub_epi32(
+                                    _mm256_add_epi32(first, second),
+                                    _mm256_set1_epi32(offset * sum_q),
+                                ),
+                                None => _mm256_add_epi32(first, second),
+                            };
+                            let scale = _mm256_mul_ps(
+                                header.scale,
+                                _mm256_set1_ps(*x.d.get_unchecked(block_at)),
+                            );
+                            let half = &mut halves[r][$parity];
+                            *half = _mm256_fmadd_ps(_mm256_cvtepi32_ps(ints), scale, *half);
+                            if format.has_minimum() {
+                                let sum = _mm256_set1_ps(*x.sum.get_unchecked(block_at));
+                                minimum[r] = _mm256_fmadd_ps(header.minimum, sum, minimum[r]);
+                            }
+                        });
+                        at = at.add(octet_bytes(format));
+                    }};
                 }
+                for pair in 0..blocks / 2 {
+                    block!(2 * pair, 0);
+                    block!(2 * pair + 1, 1);
+                }
+                if blocks % 2 == 1 {
+                    block!(blocks - 1, 0);
+                }
+                // The last block's step past itself goes unused.
+                let _ = at;
                 std::array::from_fn(|r| {
                     let mut y = _mm256_add_ps(halves[r][0], halves[r][1]);
                     if format.has_minimum() {
@@ -823,11 +863,12 @@ mod simd {
 
     mod avx2 {
         use super::*;
-        tile_kernel!(tile, "avx2,fma,f16c", dot4_avx2);
+        // `maddubs` saturates its pairs' sums at i16: signed weights keep their signs moved.
+        tile_kernel!(tile, "avx2,fma,f16c", dot4_avx2, false);
     }
     mod vnni {
         use super::*;
-        tile_kernel!(tile, "avx2,fma,f16c,avx512vnni,avx512vl", dot4_vnni);
+        tile_kernel!(tile, "avx2,fma,f16c,avx512vnni,avx512vl", dot4_vnni, true);
     }
     pub(super) use avx2::tile as tile_avx2;
     pub(super) use vnni::tile as tile_vnni;
@@ -925,16 +966,18 @@ mod simd {
         }
     }
 
-    /// Step `step`'s four activation quants at `xq`, broadcast, signed by `Q8_0`'s weights.
+    /// Step `step`'s four activation quants at `xq`, broadcast, signed by `Q8_0`'s weights
+    /// unless they are `offset_signed` ([`unpack`]).
     #[inline]
     #[target_feature(enable = "avx2")]
     unsafe fn activations<const FORMAT: u8>(
         weights: &Weights,
         step: usize,
         xq: *const i8,
+        offset_signed: bool,
     ) -> __m256i {
         let four = _mm256_set1_epi32((xq.add(step * GROUP) as *const i32).read_unaligned());
-        if !QuantFormat::from_code(FORMAT).nibbles() {
+        if !QuantFormat::from_code(FORMAT).nibbles() && !offset_signed {
             _mm256_sign_epi8(four, weights.signs[step])
         } else {
             four
@@ -1026,10 +1069,11 @@ mod simd {
     dot4_rounds!(dot4_rounds_vnni, "avx2,avx512vnni,avx512vl", dot4_vnni);
     dot4_rounds!(dot4_rounds_avx2, "avx2", dot4_avx2);
 
-    /// The quants of the octet block at `at` (see [`PackedMatrix`]) as one [`Weights`].
+    /// The quants of the octet block at `at` (see [`PackedMatrix`]) as one [`Weights`]; signed
+    /// bytes `offset_signed` become `w + 128` (else `|w|`, their signs kept).
     #[inline]
     #[target_feature(enable = "avx2")]
-    unsafe fn unpack<const FORMAT: u8>(octet: *const u8) -> Weights {
+    unsafe fn unpack<const FORMAT: u8>(octet: *const u8, offset_signed: bool) -> Weights {
         let format = QuantFormat::from_code(FORMAT);
         let at = octet.add(scale_bytes(format));
         let mut weights = Weights {
@@ -1039,8 +1083,12 @@ mod simd {
         if !format.nibbles() {
             for step in 0..STEPS {
                 let signed = _mm256_loadu_si256(at.add(step * 32) as *const __m256i);
-                weights.unsigned[step] = _mm256_sign_epi8(signed, signed);
-                weights.signs[step] = signed;
+                if offset_signed {
+                    weights.unsigned[step] = _mm256_xor_si256(signed, _mm256_set1_epi8(-128));
+                } else {
+                    weights.unsigned[step] = _mm256_sign_epi8(signed, signed);
+                    weights.signs[step] = signed;
+                }
             }
         } else {
             let mask = _mm256_set1_epi8(0x0f);
