@@ -30,7 +30,7 @@ BIN := $(CARGO_TARGET_DIR)/release
 demo: model data build
 	BIN=$(BIN) QUESTIONS=$(QUESTIONS) scripts/demo.sh
 
-test: model openai-client interop-env
+test: model data openai-client interop-env
 	cargo fmt --all -- --check
 	cargo clippy --release --workspace --all-targets -- -D warnings
 	# The end-to-end tests run the binaries; cargo test builds only those of packages with

@@ -14,6 +14,7 @@
 //! replaced atomically, so a kill at any moment leaves `latest` pointing at a complete checkpoint.
 
 pub mod head;
+mod storage;
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -54,6 +55,7 @@ pub enum CheckpointError {
 }
 
 pub use head::{load_head, DraftHead, LoadedHead};
+pub use storage::WeightStorage;
 
 pub type Result<T, E = CheckpointError> = std::result::Result<T, E>;
 
@@ -149,6 +151,9 @@ pub struct CheckpointConfig {
     pub step: u64,
     /// SHA-256 of model.safetensors.
     pub weights_sha256: String,
+    /// How model.safetensors stores the weights (absent: f32, as trained).
+    #[serde(default, skip_serializing_if = "WeightStorage::is_f32")]
+    pub weight_storage: WeightStorage,
 }
 
 /// What `--resume` needs besides the weights.
@@ -204,12 +209,44 @@ pub fn save(
     std::fs::create_dir_all(out).map_err(|e| ModelError::io(out, e))?;
     let name = step_dir_name(config.step);
     let final_dir = out.join(&name);
+    write_in_place_of(&final_dir, config, weights, training)?;
+    write_bytes_atomically(&out.join(LATEST_FILE), name.as_bytes())?;
+    Ok(final_dir)
+}
+
+/// Writes the checkpoint of `weights` as the directory `dir` itself (config.json and
+/// model.safetensors, no training state), replacing what is there: a head to ship or serve.
+pub fn save_as(dir: &Path, config: &CheckpointConfig, weights: &[(String, Tensor)]) -> Result<()> {
+    if dir.exists() && !dir.join(CONFIG_FILE).exists() {
+        return Err(invalid(
+            dir,
+            "exists and is not a checkpoint: give a new directory or a checkpoint to replace",
+        ));
+    }
+    let parent = parent_of(dir);
+    std::fs::create_dir_all(parent).map_err(|e| ModelError::io(parent, e))?;
+    write_in_place_of(dir, config, weights, None)
+}
+
+/// Writes the checkpoint into a temporary directory beside `dir`, then renames it to `dir`
+/// (replacing an older one), so a kill leaves either checkpoint whole.
+fn write_in_place_of(
+    dir: &Path,
+    config: &CheckpointConfig,
+    weights: &[(String, Tensor)],
+    training: Option<&TrainingState>,
+) -> Result<()> {
+    let parent = parent_of(dir);
+    let name = dir
+        .file_name()
+        .map_or_else(Default::default, |n| n.to_string_lossy());
     let temp = tempfile::Builder::new()
         .prefix(&format!(".{name}."))
         .suffix(".tmp")
-        .tempdir_in(out)
-        .map_err(|e| ModelError::io(out, e))?;
-    let bytes = to_safetensors_bytes(weights, None, &final_dir.join(WEIGHTS_FILE))?;
+        .tempdir_in(parent)
+        .map_err(|e| ModelError::io(parent, e))?;
+    let stored = config.weight_storage.store(weights);
+    let bytes = to_safetensors_bytes(&stored, None, &dir.join(WEIGHTS_FILE))?;
     let config = CheckpointConfig {
         weights_sha256: bytes_sha256(&bytes),
         ..config.clone()
@@ -233,13 +270,24 @@ pub fn save(
             checksums.to_string().as_bytes(),
         )?;
     }
-    if final_dir.exists() {
-        std::fs::remove_dir_all(&final_dir).map_err(|e| ModelError::io(&final_dir, e))?;
+    // The old checkpoint moves aside first and goes only once the new one holds its name.
+    let replaced = parent.join(format!(".{name}.replaced.tmp"));
+    if dir.exists() {
+        std::fs::rename(dir, &replaced).map_err(|e| ModelError::io(dir, e))?;
     }
     let temp_path = temp.keep();
-    std::fs::rename(&temp_path, &final_dir).map_err(|e| ModelError::io(&final_dir, e))?;
-    write_bytes_atomically(&out.join(LATEST_FILE), name.as_bytes())?;
-    Ok(final_dir)
+    std::fs::rename(&temp_path, dir).map_err(|e| ModelError::io(dir, e))?;
+    if replaced.exists() {
+        std::fs::remove_dir_all(&replaced).map_err(|e| ModelError::io(&replaced, e))?;
+    }
+    Ok(())
+}
+
+/// The directory holding `dir` (`.` for a bare name).
+fn parent_of(dir: &Path) -> &Path {
+    dir.parent()
+        .filter(|p| !p.as_os_str().is_empty())
+        .unwrap_or(Path::new("."))
 }
 
 fn write_file(path: &Path, bytes: &[u8]) -> Result<()> {
@@ -305,11 +353,12 @@ pub fn load(path: &Path) -> Result<Checkpoint> {
             ),
         ));
     }
-    let (weights, _) = from_safetensors_bytes(&bytes, &weights_path)?;
+    let (stored, _) = from_safetensors_bytes(&bytes, &weights_path)?;
+    let weights = config.weight_storage.load(stored, &weights_path)?;
     Ok(Checkpoint {
         dir,
         config,
-        weights: weights.into_iter().collect(),
+        weights,
     })
 }
 
@@ -409,6 +458,7 @@ mod tests {
             draft_vocab: Some(vec![3, 1]),
             step,
             weights_sha256: String::new(),
+            weight_storage: WeightStorage::F32,
         }
     }
 

@@ -5,7 +5,8 @@ use std::path::{Path, PathBuf};
 
 use anyhow::Context;
 use headway_checkpoints::{
-    load_head, CheckpointConfig, DraftHead, HeadKind, LoadedHead, TargetRef, CHECKPOINT_FORMAT,
+    load_head, CheckpointConfig, DraftHead, HeadKind, LoadedHead, TargetRef, WeightStorage,
+    CHECKPOINT_FORMAT,
 };
 use headway_datasets::features::{FeatureSet, ShardSplit};
 use headway_heads::eagle::balanced_embed_scale;
@@ -342,6 +343,7 @@ fn checkpoint_config(
         draft_vocab: draft.map(|d| d.d2t.clone()),
         step,
         weights_sha256: String::new(),
+        weight_storage: WeightStorage::F32,
     }
 }
 

@@ -22,7 +22,9 @@ use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
 use anyhow::Context;
-use headway_checkpoints::{CheckpointConfig, HeadKind, TargetRef, CHECKPOINT_FORMAT};
+use headway_checkpoints::{
+    CheckpointConfig, HeadKind, TargetRef, WeightStorage, CHECKPOINT_FORMAT,
+};
 use headway_datasets::TorchFile;
 use headway_heads::eagle::fold_embed_scale;
 use headway_heads::{Eagle3Config, EagleConfig, MedusaConfig};
@@ -665,6 +667,7 @@ pub fn run_import(args: ImportArgs) -> anyhow::Result<()> {
         draft_vocab,
         step: 0,
         weights_sha256: String::new(),
+        weight_storage: WeightStorage::F32,
     };
     let tensors: Vec<(String, Tensor)> = weights.into_iter().collect();
     let dir = headway_checkpoints::save(&args.out, &checkpoint, &tensors, None)?;

@@ -1,0 +1,138 @@
+//! What ships and travels: the committed heads in Q8_0 storage, the tracked tree small enough for a
+//! device call, and the GPU campaign's CPU dry run (issue 48's first step).
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+use headway_tests::{binary, run, stderr, stdout};
+
+fn repository() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("..")
+}
+
+/// A device call carries the tracked tree plus what it names, 64 MiB in all: the tree must leave
+/// room for the GGUF's chunks and the binaries.
+const TRACKED_BYTES_MAX: u64 = 30_000_000;
+
+#[test]
+fn committed_heads_are_q8_0_and_come_back_byte_for_byte_through_f32() {
+    let dir = tempfile::tempdir().unwrap();
+    for head in ["smollm2-135m-eagle", "smollm2-135m-eagle3"] {
+        let committed = repository().join("pretrained").join(head);
+        let config = std::fs::read_to_string(committed.join("config.json")).unwrap();
+        assert!(config.contains("\"weight_storage\": \"q8_0\""), "{head}");
+        let (f32_dir, q8_dir) = (
+            dir.path().join(format!("{head}-f32")),
+            dir.path().join(head),
+        );
+        for (from, to, storage) in [(&committed, &f32_dir, "f32"), (&f32_dir, &q8_dir, "q8_0")] {
+            let output = run(
+                "headway-train",
+                &[
+                    "pack",
+                    "--heads",
+                    from.to_str().unwrap(),
+                    "--out",
+                    to.to_str().unwrap(),
+                    "--storage",
+                    storage,
+                ],
+            );
+            assert!(output.status.success(), "{}", stderr(&output));
+        }
+        let bytes = |d: &Path| std::fs::read(d.join("model.safetensors")).unwrap();
+        assert!(bytes(&f32_dir).len() > 3 * bytes(&committed).len());
+        assert!(
+            bytes(&q8_dir) == bytes(&committed),
+            "{head}: Q8_0 → f32 → Q8_0 changed the blocks"
+        );
+    }
+}
+
+#[test]
+fn pack_names_a_directory_that_is_not_a_checkpoint_and_an_unknown_storage() {
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::write(dir.path().join("notes.txt"), "keep me").unwrap();
+    let head = repository().join("pretrained/smollm2-135m-eagle");
+    let head = head.to_str().unwrap();
+    let out = dir.path().to_str().unwrap();
+    let output = run("headway-train", &["pack", "--heads", head, "--out", out]);
+    assert!(!output.status.success());
+    assert!(
+        stderr(&output).contains("is not a checkpoint"),
+        "{}",
+        stderr(&output)
+    );
+    assert!(dir.path().join("notes.txt").exists(), "nothing is lost");
+    let output = run(
+        "headway-train",
+        &["pack", "--heads", head, "--out", out, "--storage", "q4"],
+    );
+    assert!(
+        stderr(&output).contains("unknown weight storage \"q4\""),
+        "{}",
+        stderr(&output)
+    );
+}
+
+#[test]
+fn the_tracked_tree_leaves_a_device_call_room() {
+    let output = Command::new("git")
+        .args(["ls-files", "-z"])
+        .current_dir(repository())
+        .output()
+        .expect("git lists the tracked files (the tests run in a git checkout)");
+    assert!(output.status.success(), "{}", stderr(&output));
+    let mut sizes: Vec<(u64, String)> = stdout(&output)
+        .split('\0')
+        .filter(|name| !name.is_empty())
+        .filter_map(|name| {
+            let meta = std::fs::metadata(repository().join(name)).ok()?;
+            Some((meta.len(), name.to_string()))
+        })
+        .collect();
+    let total: u64 = sizes.iter().map(|(size, _)| size).sum();
+    sizes.sort_unstable_by(|a, b| b.cmp(a));
+    assert!(
+        total <= TRACKED_BYTES_MAX,
+        "tracked files take {total} bytes, over {TRACKED_BYTES_MAX}; largest: {:?}",
+        &sizes[..5.min(sizes.len())]
+    );
+}
+
+/// `scripts/gpu_campaign.sh` at toy sizes on the CPU: every step of the campaign (replies, the
+/// slices' features, EAGLE-3 per slice, EAGLE-1, Medusa, evaluation, packing, the results split
+/// for a device call's return) runs with the binaries under test.
+#[test]
+fn the_campaign_dry_run_passes_on_the_cpu() {
+    let dir = tempfile::tempdir().unwrap();
+    let (work, out) = (dir.path().join("work"), dir.path().join("out"));
+    let bin = binary("headway-train");
+    let output = Command::new("bash")
+        .arg(repository().join("scripts/gpu_campaign.sh"))
+        .arg(&out)
+        .current_dir(repository())
+        .env("DEVICE", "cpu")
+        .env("SCALE", "dry")
+        .env("WORK", &work)
+        .env("BIN", bin.parent().unwrap())
+        .env_remove("LD_LIBRARY_PATH")
+        .output()
+        .expect("running bash");
+    assert!(
+        output.status.success(),
+        "{}\n{}",
+        stdout(&output),
+        stderr(&output)
+    );
+    let summary = std::fs::read_to_string(out.join("summary.md")).unwrap();
+    let rows = summary
+        .lines()
+        .filter(|l| l.starts_with("| eagle") || l.starts_with("| medusa"));
+    assert_eq!(rows.count(), 5, "{summary}");
+    assert!(out.join("results.tar.part-00").exists());
+    for part in std::fs::read_dir(&out).unwrap() {
+        let size = part.unwrap().metadata().unwrap().len();
+        assert!(size <= 16 * 1024 * 1024, "a returned file of {size} bytes");
+    }
+}
