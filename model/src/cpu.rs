@@ -133,6 +133,12 @@ impl CpuPolicy {
         }
     }
 
+    /// Fork-joins Headway's kernels have run under this policy's pool so far (0 where libtorch
+    /// runs them): a forward's count is the difference across it.
+    pub fn fork_joins(&self) -> usize {
+        self.pool().map_or(0, SpinPool::jobs)
+    }
+
     /// The spin pool Headway's kernels run on under this policy (`None`: libtorch runs them).
     pub(crate) fn pool(&self) -> Option<&SpinPool> {
         match self {

@@ -14,6 +14,7 @@
 //! bf16 product past its rows. Training (tensors that require grad), other dtypes and GPUs use
 //! libtorch.
 
+use std::ops::Range;
 use std::sync::OnceLock;
 
 use tch::{Device, Kind, Tensor};
@@ -208,20 +209,74 @@ impl Linear {
     /// `y` (rows × out_features), on `pool`: the kernels, and so the bits, of [`Self::forward`].
     /// Only where [`Self::runs_rows`] holds.
     pub(crate) fn forward_rows(&self, x: &[f32], y: &mut [f32], pool: &SpinPool) {
+        let (columns, parts) = (self.out_features(), pool.parallelism());
+        let align = self.column_align();
+        let ranges = |part| [even_part(columns, parts, align, part), 0..0];
+        let split = ColumnSplit {
+            ranges: &ranges,
+            then: &|_, _| {},
+        };
+        self.forward_rows_split(x, y, pool, &split);
+    }
+
+    /// What the output features a thread computes should start at a multiple of: whole octets
+    /// for quantised weights, so that two threads never unpack the same blocks.
+    pub(crate) fn column_align(&self) -> usize {
+        match self.weight {
+            Matrix::Dense(_) => 1,
+            Matrix::Quantised { .. } => quant_kernel::COLUMN_ALIGN,
+        }
+    }
+
+    /// [`Self::forward_rows`] with the output features shared between `pool`'s threads as
+    /// `split` says, each thread then running `split.then` on its own: work that needs only a
+    /// thread's columns (rotary on its heads, SiLU on its features) joins the product's parallel
+    /// region instead of running on one thread after it. The bits are the same for any split.
+    pub(crate) fn forward_rows_split(
+        &self,
+        x: &[f32],
+        y: &mut [f32],
+        pool: &SpinPool,
+        split: &ColumnSplit,
+    ) {
+        let out_features = self.out_features();
+        let rows = x.len() / self.weight.shape()[1].max(1) as usize;
+        assert_eq!(y.len(), rows * out_features, "output size");
+        let y_ptr = y.as_mut_ptr() as usize;
+        let bias = self.bias.as_ref().map(f32_slice);
+        let run = |columns: &(dyn Fn(usize, usize) + Sync)| {
+            pool.run(&|part| {
+                for range in (split.ranges)(part) {
+                    if range.is_empty() {
+                        continue;
+                    }
+                    columns(range.start, range.len());
+                    if let Some(bias) = bias {
+                        for row in 0..rows {
+                            // SAFETY: `y` holds rows × out_features floats, alive for the call,
+                            // and this part alone touches these columns.
+                            let y = unsafe {
+                                let first =
+                                    (y_ptr as *mut f32).add(row * out_features + range.start);
+                                std::slice::from_raw_parts_mut(first, range.len())
+                            };
+                            y.iter_mut()
+                                .zip(&bias[range.clone()])
+                                .for_each(|(y, b)| *y += b);
+                        }
+                    }
+                }
+                (split.then)(part, y_ptr as *mut f32);
+            })
+        };
         match &self.weight {
             Matrix::Dense(weight) => {
-                assert!(
-                    streams(x.len() / weight.size()[1].max(1) as usize),
-                    "few rows"
-                );
-                dense_into(x, weight, y, pool);
+                assert!(streams(rows), "few rows");
+                run(&dense_columns(x, weight, y));
             }
-            Matrix::Quantised { blocks, .. } => quantised_into(x, blocks, y, pool),
-        }
-        if let Some(bias) = &self.bias {
-            let bias = f32_slice(bias);
-            for row in y.chunks_exact_mut(bias.len()) {
-                row.iter_mut().zip(bias).for_each(|(y, b)| *y += b);
+            Matrix::Quantised { blocks, .. } => {
+                let activations = QuantisedRows::new(x, blocks.cols());
+                run(&quantised_columns(&activations, blocks, y));
             }
         }
     }
@@ -305,45 +360,47 @@ fn quantised_forward(x: &Tensor, blocks: &StackedMatrix, cpu: &CpuPolicy) -> Ten
 }
 
 /// `y = x wᵀ` for `x` of whole rows of `blocks.cols()` floats, output features split between
-/// `pool`'s threads (each part's columns within its own row range of `blocks`).
+/// `pool`'s threads.
 fn quantised_into(x: &[f32], blocks: &StackedMatrix, y: &mut [f32], pool: &SpinPool) {
     let activations = QuantisedRows::new(x, blocks.cols());
+    let columns = quantised_columns(&activations, blocks, y);
+    split_columns(pool, blocks.rows(), quant_kernel::COLUMN_ALIGN, &columns);
+}
+
+/// What computes columns `first..first + len` of `y = x wᵀ` for the quantised `activations` (each
+/// column within its own part's row range of `blocks`), any such ranges on any threads at once.
+fn quantised_columns<'a>(
+    activations: &'a QuantisedRows,
+    blocks: &'a StackedMatrix,
+    y: &mut [f32],
+) -> impl Fn(usize, usize) + Sync + 'a {
     let out_features = blocks.rows();
-    assert_eq!(
-        y.len(),
-        x.len() / blocks.cols().max(1) * out_features,
-        "output size"
-    );
+    assert_eq!(y.len(), activations.rows() * out_features, "output size");
     let y_ptr = y.as_mut_ptr() as usize;
     let isa = quant_kernel::detected_isa();
-    split_columns(
-        pool,
-        out_features,
-        quant_kernel::COLUMN_ALIGN,
-        &|first, len| {
-            for (part_first, part) in blocks.parts() {
-                let start = first.max(part_first);
-                let end = (first + len).min(part_first + part.rows());
-                if start >= end {
-                    continue;
-                }
-                // SAFETY: `isa` was detected on this CPU; y holds rows × out_features floats,
-                // the part's columns start `part_first` floats into each row, and each call
-                // writes only its own columns.
-                unsafe {
-                    quant_kernel::columns(
-                        isa,
-                        &activations,
-                        part,
-                        (y_ptr as *mut f32).add(part_first),
-                        out_features,
-                        start - part_first,
-                        end - start,
-                    )
-                }
+    move |first, len| {
+        for (part_first, part) in blocks.parts() {
+            let start = first.max(part_first);
+            let end = (first + len).min(part_first + part.rows());
+            if start >= end {
+                continue;
             }
-        },
-    );
+            // SAFETY: `isa` was detected on this CPU; y holds rows × out_features floats, the
+            // part's columns start `part_first` floats into each row, and each call writes only
+            // its own columns.
+            unsafe {
+                quant_kernel::columns(
+                    isa,
+                    activations,
+                    part,
+                    (y_ptr as *mut f32).add(part_first),
+                    out_features,
+                    start - part_first,
+                    end - start,
+                )
+            }
+        }
+    }
 }
 
 /// Whether `t` is f32 on the CPU without gradients: what Headway's few-row code reads.
@@ -377,14 +434,31 @@ fn split_columns(
     align: usize,
     part: &(dyn Fn(usize, usize) + Sync),
 ) {
-    let part_len = columns.div_ceil(pool.parallelism()).next_multiple_of(align);
+    let parts = pool.parallelism();
     pool.run(&|index| {
-        let first = index * part_len;
-        let len = part_len.min(columns.saturating_sub(first));
-        if len > 0 {
-            part(first, len);
+        let range = even_part(columns, parts, align, index);
+        if !range.is_empty() {
+            part(range.start, range.len());
         }
     });
+}
+
+/// Part `index` of `0..columns` cut into `parts` ranges, each starting at a multiple of `align`
+/// (the last ones perhaps empty).
+pub(crate) fn even_part(columns: usize, parts: usize, align: usize, index: usize) -> Range<usize> {
+    let part_len = columns.div_ceil(parts).next_multiple_of(align);
+    let first = (index * part_len).min(columns);
+    first..(first + part_len).min(columns)
+}
+
+/// How a few-row product's output features are shared between a pool's threads, and what each
+/// thread does next with its own ([`Linear::forward_rows_split`]).
+pub(crate) struct ColumnSplit<'a> {
+    /// The output features part `p` computes: up to two ranges (a gate's and its up's).
+    pub ranges: &'a (dyn Fn(usize) -> [Range<usize>; 2] + Sync),
+    /// Run by part `p` once its features are written, bias included, with the output's first
+    /// float: it may read and change that part's own features, and touch nothing else of it.
+    pub then: &'a (dyn Fn(usize, *mut f32) + Sync),
 }
 
 /// Products with up to this many rows run on [`row_kernel`] (it streams the weight once; `gemm`
@@ -415,6 +489,17 @@ fn split_gemm(x: &Tensor, weight: &Tensor, pool: &SpinPool) -> Tensor {
 /// `y = x wᵀ` for `x` of whole rows of `in_features` floats and a contiguous f32 or bf16 CPU
 /// `weight` (bf16 only where [`streams`]), output features split between `pool`'s threads.
 fn dense_into(x: &[f32], weight: &Tensor, y: &mut [f32], pool: &SpinPool) {
+    let columns = dense_columns(x, weight, y);
+    split_columns(pool, weight.size()[0] as usize, 1, &columns);
+}
+
+/// What computes columns `first..first + len` of [`dense_into`]'s product, any such ranges on any
+/// threads at once.
+fn dense_columns<'a>(
+    x: &'a [f32],
+    weight: &'a Tensor,
+    y: &mut [f32],
+) -> impl Fn(usize, usize) + Sync + 'a {
     let (out_features, in_features) = (weight.size()[0] as usize, weight.size()[1] as usize);
     let rows = x.len() / in_features.max(1);
     assert!(
@@ -435,7 +520,7 @@ fn dense_into(x: &[f32], weight: &Tensor, y: &mut [f32], pool: &SpinPool) {
         in_features,
         y_stride: out_features,
     };
-    let run_part = |first: usize, len: usize| {
+    move |first: usize, len: usize| {
         let (x, y) = (x_ptr as *const f32, y_ptr as *mut f32);
         // SAFETY: x, weight and y hold the shapes and kinds read above, alive for the whole
         // call; a part reads weight rows first..first+len and writes only columns
@@ -453,8 +538,7 @@ fn dense_into(x: &[f32], weight: &Tensor, y: &mut [f32], pool: &SpinPool) {
             }
             gemm_columns(x, w_ptr as *const f32, y, product, first, len);
         }
-    };
-    split_columns(pool, out_features, 1, &run_part);
+    }
 }
 
 /// Columns `first..first + len` of `y = x wᵀ` with the `gemm` crate (which packs `w` first).

@@ -469,7 +469,8 @@ impl QuantisedRows {
         (d, half_sum(first) + half_sum(second), half_sum(first))
     }
 
-    fn rows(&self) -> usize {
+    /// Rows quantised.
+    pub fn rows(&self) -> usize {
         self.q.len() / self.cols.max(1)
     }
 

@@ -39,6 +39,8 @@ pub struct SpinPool {
     handles: Vec<thread::JoinHandle<()>>,
     /// Serialises callers: one job at a time.
     busy: std::sync::Mutex<()>,
+    /// Jobs run so far: each a fork and a join where there are workers.
+    jobs: AtomicUsize,
 }
 
 impl SpinPool {
@@ -66,6 +68,7 @@ impl SpinPool {
             threads: handles.iter().map(|h| h.thread().clone()).collect(),
             handles,
             busy: std::sync::Mutex::new(()),
+            jobs: AtomicUsize::new(0),
         }
     }
 
@@ -74,9 +77,16 @@ impl SpinPool {
         self.threads.len() + 1
     }
 
+    /// Jobs [`Self::run`] has run since the pool was made: the fork-joins a forward costs are the
+    /// difference across it.
+    pub fn jobs(&self) -> usize {
+        self.jobs.load(Ordering::Relaxed)
+    }
+
     /// Calls `job(part)` for every part in `0..parallelism()`, part 0 on the calling thread, and
     /// returns when all have finished.
     pub fn run(&self, job: &(dyn Fn(usize) + Sync)) {
+        self.jobs.fetch_add(1, Ordering::Relaxed);
         if self.threads.is_empty() {
             job(0);
             return;
@@ -171,6 +181,7 @@ mod tests {
             let counts: Vec<usize> = hits.iter().map(|h| h.load(Ordering::Relaxed)).collect();
             assert_eq!(counts, vec![1, 1, 1], "round {round}");
         }
+        assert_eq!(pool.jobs(), 200);
     }
 
     #[test]

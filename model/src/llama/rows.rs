@@ -15,7 +15,9 @@ use tch::{Device, Kind, Tensor};
 
 use super::{Attention, DecoderLayer, LayerContext, Mlp, RmsNorm};
 use crate::kv_cache::KvCache;
-use crate::linear::{f32_slice, f32_slice_mut, plain_cpu_f32, Linear, ROW_KERNEL_MAX_ROWS};
+use crate::linear::{
+    even_part, f32_slice, f32_slice_mut, plain_cpu_f32, ColumnSplit, Linear, ROW_KERNEL_MAX_ROWS,
+};
 use crate::row_attention::{self, RowLayout, RowStrides};
 use crate::row_kernel;
 use crate::spin_pool::SpinPool;
@@ -135,34 +137,58 @@ impl Attention {
             self.head_dim as usize,
         );
         let width = (heads + 2 * kv_heads) * dim;
-        let mut qkv = vec![0f32; batch * new * width];
-        self.qkv_proj.forward_rows(input, &mut qkv, pool);
+        let rows = batch * new;
+        let mut qkv = vec![0f32; rows * width];
         let (cos, sin) = (f32_slice(&rope.0), f32_slice(&rope.1));
+        // Weights and ε only: the closures below run on every thread, and a tensor is not `Sync`.
         let qk_norms = self.qk_norm.as_ref().map(|(q, k)| {
             let weights = (f32_slice(&q.weight), f32_slice(&k.weight));
-            ((q, weights.0), (k, weights.1))
+            ((weights.0, q.eps), (weights.1, k.eps))
         });
-        for ((row, cos), sin) in qkv
-            .chunks_exact_mut(width)
-            .zip(cos.chunks_exact(dim))
-            .zip(sin.chunks_exact(dim))
-        {
-            for (head, values) in row[..(heads + kv_heads) * dim]
-                .chunks_exact_mut(dim)
-                .enumerate()
-            {
-                if let Some((q_norm, k_norm)) = qk_norms {
-                    let (norm, weight) = if head < heads { q_norm } else { k_norm };
-                    norm.normalise(values, weight);
-                }
-                rotate(values, cos, sin);
-            }
-        }
         let cache = ctx
             .cache
             .as_deref_mut()
             .expect("runs_rows checked the cache");
-        write_keys_values(cache, ctx.layer, &qkv, (heads, kv_heads, dim), new);
+        let cache_rows = CacheRows::new(cache, ctx.layer, (kv_heads, dim), new);
+        // Each thread takes whole heads: it rotates its queries and keys (their norms first, where
+        // the model has them) and writes its keys and values into the cache, in the product's own
+        // parallel region. Every head gets the same operations on whichever thread it lands.
+        let parts = pool.parallelism();
+        let head_align = self.qkv_proj.column_align() / gcd(self.qkv_proj.column_align(), dim);
+        let heads_of = |part| even_part(heads + 2 * kv_heads, parts, head_align, part);
+        let ranges = |part| {
+            let own = heads_of(part);
+            [own.start * dim..own.end * dim, 0..0]
+        };
+        let then = |part, qkv: *mut f32| {
+            for row in 0..rows {
+                let (cos, sin) = (&cos[row * dim..][..dim], &sin[row * dim..][..dim]);
+                for head in heads_of(part) {
+                    // SAFETY: `qkv` holds rows × width floats, and this part alone touches its
+                    // heads' features.
+                    let values = unsafe {
+                        std::slice::from_raw_parts_mut(qkv.add(row * width + head * dim), dim)
+                    };
+                    if head < heads + kv_heads {
+                        if let Some((q_norm, k_norm)) = qk_norms {
+                            let (weight, eps) = if head < heads { q_norm } else { k_norm };
+                            normalise(values, weight, eps);
+                        }
+                        rotate(values, cos, sin);
+                    }
+                    if head >= heads {
+                        // SAFETY: this part alone writes this head's cache rows.
+                        unsafe { cache_rows.write(row, head - heads, values) };
+                    }
+                }
+            }
+        };
+        let split = ColumnSplit {
+            ranges: &ranges,
+            then: &then,
+        };
+        self.qkv_proj
+            .forward_rows_split(input, &mut qkv, pool, &split);
         let (keys, values) = cache.written(ctx.layer, new);
         let mut out = vec![0f32; batch * new * heads * dim];
         let queries = RowLayout {
@@ -198,36 +224,67 @@ impl Attention {
     }
 }
 
-/// Copies the keys and values of the fused `qkv` rows (`[batch, new, heads + 2 kv_heads, dim]`)
-/// into `layer`'s cache storage `[batch, kv_heads, capacity, dim]` after its cached rows.
-fn write_keys_values(
-    cache: &mut KvCache,
-    layer: usize,
-    qkv: &[f32],
-    (heads, kv_heads, dim): (usize, usize, usize),
+/// Where the new rows' keys and values go: `layer`'s cache storage `[batch, kv_heads, capacity,
+/// dim]`, after its cached rows. Written by many threads at once, each its own heads.
+struct CacheRows {
+    keys: usize,
+    values: usize,
+    capacity: usize,
+    past: usize,
     new: usize,
-) {
-    let (keys, values) = cache.storage(layer);
-    let capacity = keys.size()[2] as usize;
-    let width = (heads + 2 * kv_heads) * dim;
-    let past = cache.len();
-    assert!(
-        past + new <= capacity,
-        "the forward checked the cache's room"
-    );
-    for (storage, first_head) in [(keys, heads), (values, heads + kv_heads)] {
-        let base = storage.data_ptr() as *mut f32;
-        for (row, values) in qkv.chunks_exact(width).enumerate() {
-            let (sequence, token) = (row / new, row % new);
-            for kv_head in 0..kv_heads {
-                let from = &values[(first_head + kv_head) * dim..][..dim];
-                let at = ((sequence * kv_heads + kv_head) * capacity + past + token) * dim;
-                // SAFETY: the storage is a contiguous f32 `[batch, kv_heads, capacity, dim]`
-                // tensor (`runs_rows`) of `qkv`'s batch, and `at` addresses one of its rows (room
-                // asserted above); the cache is borrowed mutably, nothing reads it meanwhile.
-                unsafe { std::ptr::copy_nonoverlapping(from.as_ptr(), base.add(at), dim) };
-            }
+    kv_heads: usize,
+    dim: usize,
+}
+
+impl CacheRows {
+    fn new(cache: &mut KvCache, layer: usize, (kv_heads, dim): (usize, usize), new: usize) -> Self {
+        let (keys, values) = cache.storage(layer);
+        let capacity = keys.size()[2] as usize;
+        let past = cache.len();
+        assert!(
+            past + new <= capacity,
+            "the forward checked the cache's room"
+        );
+        Self {
+            keys: keys.data_ptr() as usize,
+            values: values.data_ptr() as usize,
+            capacity,
+            past,
+            new,
+            kv_heads,
+            dim,
         }
+    }
+
+    /// Writes `from` as row `row`'s (`sequence · new + token`) key of `kv_head` (`0..kv_heads`)
+    /// or, for `kv_head` in `kv_heads..2 · kv_heads`, its value.
+    ///
+    /// # Safety
+    /// The cache this was made from is still borrowed mutably by the caller, and no other thread
+    /// writes the same row and head.
+    unsafe fn write(&self, row: usize, kv_head: usize, from: &[f32]) {
+        let (storage, kv_head) = match kv_head.checked_sub(self.kv_heads) {
+            None => (self.keys, kv_head),
+            Some(value_head) => (self.values, value_head),
+        };
+        let (sequence, token) = (row / self.new, row % self.new);
+        let at =
+            ((sequence * self.kv_heads + kv_head) * self.capacity + self.past + token) * self.dim;
+        // SAFETY: the storage is a contiguous f32 `[batch, kv_heads, capacity, dim]` tensor
+        // (`runs_rows`) of the rows' batch, and `at` addresses one of its rows (room asserted in
+        // `new`).
+        unsafe {
+            std::ptr::copy_nonoverlapping(from.as_ptr(), (storage as *mut f32).add(at), self.dim)
+        };
+    }
+}
+
+/// Greatest common divisor.
+fn gcd(a: usize, b: usize) -> usize {
+    if b == 0 {
+        a
+    } else {
+        gcd(b, a % b)
     }
 }
 
@@ -248,25 +305,25 @@ impl RmsNorm {
         let weight = f32_slice(&self.weight);
         let mut out = x.to_vec();
         for row in out.chunks_exact_mut(weight.len()) {
-            self.normalise(row, weight);
+            normalise(row, weight, self.eps);
         }
         out
     }
+}
 
-    /// `weight · row / √(mean(row²) + ε)` in place, the squares summed in [`LANES`] lanes.
-    fn normalise(&self, row: &mut [f32], weight: &[f32]) {
-        let mut lanes = [0f32; LANES];
-        let chunks = row.chunks_exact(LANES);
-        let tail: f32 = chunks.remainder().iter().map(|v| v * v).sum();
-        for chunk in chunks {
-            lanes.iter_mut().zip(chunk).for_each(|(l, v)| *l += v * v);
-        }
-        let mean = (lanes.iter().sum::<f32>() + tail) / row.len() as f32;
-        let inverse = 1.0 / (mean + self.eps as f32).sqrt();
-        row.iter_mut()
-            .zip(weight)
-            .for_each(|(v, w)| *v = w * (*v * inverse));
+/// `weight · row / √(mean(row²) + ε)` in place, the squares summed in [`LANES`] lanes.
+fn normalise(row: &mut [f32], weight: &[f32], eps: f64) {
+    let mut lanes = [0f32; LANES];
+    let chunks = row.chunks_exact(LANES);
+    let tail: f32 = chunks.remainder().iter().map(|v| v * v).sum();
+    for chunk in chunks {
+        lanes.iter_mut().zip(chunk).for_each(|(l, v)| *l += v * v);
     }
+    let mean = (lanes.iter().sum::<f32>() + tail) / row.len() as f32;
+    let inverse = 1.0 / (mean + eps as f32).sqrt();
+    row.iter_mut()
+        .zip(weight)
+        .for_each(|(v, w)| *v = w * (*v * inverse));
 }
 
 /// Floats per vector of the SiLU and the norms' sums of squares.
@@ -279,15 +336,45 @@ impl Mlp {
         let hidden = self.down_proj.out_features();
         let rows = x.len() / hidden;
         let mut gate_up = vec![0f32; rows * 2 * intermediate];
-        self.gate_up_proj.forward_rows(x, &mut gate_up, pool);
         let mut activated = vec![0f32; rows * intermediate];
-        for (gate_up, out) in gate_up
-            .chunks_exact(2 * intermediate)
-            .zip(activated.chunks_exact_mut(intermediate))
-        {
-            let (gate, up) = gate_up.split_at(intermediate);
-            silu_times(gate, up, out);
-        }
+        // Each thread computes some gate features and the up features beside them, then their
+        // SiLU product, in the product's own parallel region. SiLU works lane by lane, so any
+        // split gives every element the same bits.
+        let parts = pool.parallelism();
+        let align = self.gate_up_proj.column_align().max(LANES);
+        let gates_of = |part| even_part(intermediate, parts, align, part);
+        let ranges = |part| {
+            let gates = gates_of(part);
+            let ups = intermediate + gates.start..intermediate + gates.end;
+            [gates, ups]
+        };
+        let activated_ptr = activated.as_mut_ptr() as usize;
+        let then = |part, gate_up: *mut f32| {
+            let gates = gates_of(part);
+            for row in 0..rows {
+                // SAFETY: `gate_up` holds rows × 2·intermediate floats and `activated` rows ×
+                // intermediate; this part alone touches these features of them.
+                let (gate, up, out) = unsafe {
+                    let row_in = gate_up.add(row * 2 * intermediate);
+                    let row_out = (activated_ptr as *mut f32).add(row * intermediate);
+                    (
+                        std::slice::from_raw_parts(row_in.add(gates.start), gates.len()),
+                        std::slice::from_raw_parts(
+                            row_in.add(intermediate + gates.start),
+                            gates.len(),
+                        ),
+                        std::slice::from_raw_parts_mut(row_out.add(gates.start), gates.len()),
+                    )
+                };
+                silu_times(gate, up, out);
+            }
+        };
+        let split = ColumnSplit {
+            ranges: &ranges,
+            then: &then,
+        };
+        self.gate_up_proj
+            .forward_rows_split(x, &mut gate_up, pool, &split);
         let mut out = vec![0f32; rows * hidden];
         self.down_proj.forward_rows(&activated, &mut out, pool);
         out

@@ -39,6 +39,8 @@ const TREE_SIZES: [usize; 11] = [1, 2, 4, 6, 8, 12, 16, 24, 32, 48, 63];
 pub struct LatencyProfile {
     pub tokens: Vec<usize>,
     pub seconds: Vec<f64>,
+    /// Fork-joins of the CPU pool in one forward of each size (0 where no pool runs it).
+    pub fork_joins: Vec<usize>,
 }
 
 impl LatencyProfile {
@@ -85,6 +87,7 @@ impl LatencyProfile {
         let mut profile = Self {
             tokens: Vec::new(),
             seconds: Vec::new(),
+            fork_joins: Vec::new(),
         };
         for &n in rows {
             // A chain-shaped tree: the same work as any tree of this size. Plain decoding (no
@@ -97,6 +100,7 @@ impl LatencyProfile {
                 }
             };
             let mut times = Vec::with_capacity(reps);
+            let fork_joins = cpu.fork_joins();
             for _ in 0..reps.max(1) {
                 times.push(forward(&mut cache, &input)?);
                 cache.truncate(prefix)?;
@@ -104,6 +108,9 @@ impl LatencyProfile {
             times.sort_by(f64::total_cmp);
             profile.tokens.push(n);
             profile.seconds.push(times[times.len() / 2]);
+            profile
+                .fork_joins
+                .push((cpu.fork_joins() - fork_joins) / reps.max(1));
         }
         Ok(profile)
     }
@@ -498,6 +505,7 @@ mod tests {
         let profile = LatencyProfile {
             tokens: vec![1, 3, 5],
             seconds: vec![1.0, 2.0, 4.0],
+            fork_joins: vec![0; 3],
         };
         assert_eq!(profile.at(1), 1.0);
         assert_eq!(profile.at(2), 1.5);
@@ -513,6 +521,7 @@ mod tests {
         let latency = LatencyProfile {
             tokens: vec![1, 64],
             seconds: vec![1.0, 64.0],
+            fork_joins: vec![0; 2],
         };
         let model_tree = || DraftTree::chain(&[7, 8], std::iter::repeat(Proposal::Deterministic));
         let truth = [7, 9, 4, 5];

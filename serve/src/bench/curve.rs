@@ -30,6 +30,9 @@ pub struct RowsCurve {
     pub prefix: usize,
     pub rows: Vec<usize>,
     pub seconds: Vec<f64>,
+    /// Fork-joins of the CPU pool in one forward of each size (0 where no pool runs it).
+    #[serde(default)]
+    pub fork_joins: Vec<usize>,
     /// Weight bytes a forward reads, whatever its rows.
     pub weight_bytes: usize,
     /// Multiply-accumulates per row of the weights.
@@ -61,6 +64,7 @@ impl RowsCurve {
             prefix,
             rows: profile.tokens,
             seconds: profile.seconds,
+            fork_joins: profile.fork_joins,
             weight_bytes: host.decode_step_bytes,
             macs_per_row,
             read_bytes_per_s: host.read_bytes_per_s,
@@ -100,14 +104,16 @@ impl RowsCurve {
         };
         let mut out = format!(
             "\nForward time by new tokens after a {}-token prompt; roof: {roof}.\n\n\
-             | rows | ms | × 1 row | roof ms | × roof |\n|---:|---:|---:|---:|---:|\n",
+             | rows | ms | × 1 row | roof ms | × roof | fork-joins |\n\
+             |---:|---:|---:|---:|---:|---:|\n",
             self.prefix
         );
         let one = self.seconds.first().copied().unwrap_or(f64::NAN);
-        for (&rows, &seconds) in self.rows.iter().zip(&self.seconds) {
+        for (i, (&rows, &seconds)) in self.rows.iter().zip(&self.seconds).enumerate() {
             let roof = self.roof_seconds(rows);
+            let fork_joins = self.fork_joins.get(i).map_or("–".into(), usize::to_string);
             out.push_str(&format!(
-                "| {rows} | {:.2} | {:.2} | {:.2} | {:.2} |\n",
+                "| {rows} | {:.2} | {:.2} | {:.2} | {:.2} | {fork_joins} |\n",
                 seconds * 1e3,
                 seconds / one,
                 roof * 1e3,
@@ -127,6 +133,7 @@ mod tests {
             prefix: 500,
             rows: vec![1, 2, 64],
             seconds: vec![0.004, 0.005, 0.040],
+            fork_joins: vec![151, 151, 151],
             weight_bytes: 100_000_000,
             macs_per_row: 100_000_000,
             read_bytes_per_s: 50e9,
@@ -143,11 +150,11 @@ mod tests {
         assert!((quantised.roof_seconds(64) - 0.016).abs() < 1e-12);
         let table = quantised.markdown();
         assert!(
-            table.contains("| 64 | 40.00 | 10.00 | 16.00 | 2.50 |"),
+            table.contains("| 64 | 40.00 | 10.00 | 16.00 | 2.50 | 151 |"),
             "{table}"
         );
         assert!(
-            table.contains("| 1 | 4.00 | 1.00 | 2.00 | 2.00 |"),
+            table.contains("| 1 | 4.00 | 1.00 | 2.00 | 2.00 | 151 |"),
             "{table}"
         );
         let dense = curve(None);
