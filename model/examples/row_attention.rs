@@ -1,7 +1,9 @@
 //! Attention of `new` query rows over a cache of `len` keys, SmolLM2's shapes (9 query heads over
-//! 3 key/value heads of 64), 30 layers' worth: Headway's row attention on 2 spinning threads
-//! (what decoding and verification run) against libtorch's `scaled_dot_product_attention` on one
-//! thread (what they ran before) and on two, with the tree-shaped (causal) mask verification uses.
+//! 3 key/value heads of 64), 30 layers each with its own cache as a decoding step reads them:
+//! Headway's row attention on one thread over an f32, f16 and bf16 cache (`--kv-dtype`) against
+//! libtorch's `scaled_dot_product_attention` on one thread and on two (f32), with the tree-shaped
+//! (causal) mask verification uses. Beside them, the bytes of the 30 caches and the rate at which
+//! each of Headway's runs read them.
 //!
 //! cargo run --release -p headway-model --example row_attention
 
@@ -17,44 +19,72 @@ use tch::{Device, Kind, Tensor};
 
 const LAYERS: usize = 30;
 const REPS: usize = 5;
+const CACHE_KINDS: [Kind; 3] = [Kind::Float, Kind::Half, Kind::BFloat16];
+
+/// Each layer's keys and values, `[1, 3, capacity, 64]`, in `kind`.
+fn layer_caches(kind: Kind) -> Vec<(Tensor, Tensor)> {
+    let options = (Kind::Float, Device::Cpu);
+    (0..LAYERS)
+        .map(|_| {
+            let cache = || Tensor::randn([1, 3, 2048, 64], options).to_kind(kind);
+            (cache(), cache())
+        })
+        .collect()
+}
 
 fn main() {
     let pool = SpinPool::new(1);
-    let options = (Kind::Float, Device::Cpu);
-    println!("  len  new   row attention ms   sdpa 1 thread ms   sdpa 2 threads ms");
-    for len in [256, 1024] {
-        let cache = [
-            Tensor::randn([1, 3, 2048, 64], options),
-            Tensor::randn([1, 3, 2048, 64], options),
-        ];
-        let (keys, values) = (cache[0].narrow(2, 0, len), cache[1].narrow(2, 0, len));
-        for new in [1, 8, 32, 64] {
-            let queries = Tensor::randn([1, 9, new, 64], options);
+    let caches: Vec<Vec<(Tensor, Tensor)>> = CACHE_KINDS.into_iter().map(layer_caches).collect();
+    println!(
+        "  len  new   f32 ms (GB/s)   f16 ms (GB/s)  bf16 ms (GB/s)   sdpa 1 thread   sdpa 2 threads"
+    );
+    for len in [256i64, 1024, 2048] {
+        let mut line = String::new();
+        for new in [1i64, 8, 32, 64] {
+            let queries = Tensor::randn([1, 9, new, 64], (Kind::Float, Device::Cpu));
             let mask = causal_mask(len as usize - new as usize, new as usize, Device::Cpu);
             let given = (new > 1).then_some(&mask);
-            let ours = best_of(REPS, || {
-                let mask = given.map_or(KeyMask::All, KeyMask::Given);
-                for _ in 0..LAYERS {
-                    let _ = row_attention::attend(&queries, &keys, &values, mask, &pool);
-                }
-            });
+            let view = |(k, v): &(Tensor, Tensor)| (k.narrow(2, 0, len), v.narrow(2, 0, len));
+            let ours: Vec<String> = caches
+                .iter()
+                .map(|layers| {
+                    let layers: Vec<(Tensor, Tensor)> = layers.iter().map(view).collect();
+                    let seconds = best_of(REPS, || {
+                        let mask = given.map_or(KeyMask::All, KeyMask::Given);
+                        for (keys, values) in &layers {
+                            let _ = row_attention::attend(&queries, keys, values, mask, &pool);
+                        }
+                    });
+                    let bytes = layers
+                        .iter()
+                        .map(|(k, _)| (k.numel() * k.kind().elt_size_in_bytes()) * 2)
+                        .sum::<usize>();
+                    format!(
+                        "{:>7.2} ({:>4.1})",
+                        seconds * 1e3,
+                        bytes as f64 / seconds / 1e9
+                    )
+                })
+                .collect();
+            let f32_layers: Vec<(Tensor, Tensor)> = caches[0].iter().map(view).collect();
             let sdpa = |threads| {
                 tch::set_num_threads(threads);
                 best_of(REPS, || {
-                    for _ in 0..LAYERS {
+                    for (keys, values) in &f32_layers {
                         let _ = Tensor::scaled_dot_product_attention(
-                            &queries, &keys, &values, given, 0.0, false, None, true,
+                            &queries, keys, values, given, 0.0, false, None, true,
                         );
                     }
                 })
             };
             let (one, two) = (sdpa(1), sdpa(2));
-            println!(
-                "{len:>5} {new:>4}   {:>16.2}   {:>16.2}   {:>17.2}",
-                ours * 1e3,
+            line += &format!(
+                "{len:>5} {new:>4}   {}   {:>13.2}   {:>14.2}\n",
+                ours.join("  "),
                 one * 1e3,
                 two * 1e3
             );
         }
+        print!("{line}");
     }
 }

@@ -18,6 +18,7 @@ pub mod generate;
 pub mod hash;
 pub mod json;
 pub mod kv_cache;
+mod kv_elements;
 pub mod linear;
 pub mod llama;
 pub mod mask;

@@ -200,10 +200,11 @@ impl Attention {
             Some(pool) if row_attention::applies(&queries, &keys) => {
                 row_attention::attend(&queries, &keys, &values, ctx.key_mask(), pool)
             }
+            // A 16-bit cache under f32 queries (`--kv-dtype`) is read back in the queries' kind.
             _ => Tensor::scaled_dot_product_attention(
                 &queries,
-                &keys,
-                &values,
+                &keys.to_kind(queries.kind()),
+                &values.to_kind(queries.kind()),
                 ctx.mask,
                 0.0,
                 ctx.is_causal,

@@ -22,8 +22,9 @@
 use tch::{Device, Kind, Tensor};
 
 use crate::linear::ROW_KERNEL_MAX_ROWS;
-use crate::row_kernel;
+use crate::row_kernel::{self, Bf16, F16};
 use crate::spin_pool::SpinPool;
+use crate::Dtype;
 
 /// Which keys each query row may attend to.
 #[derive(Clone, Copy)]
@@ -36,9 +37,10 @@ pub enum KeyMask<'a> {
     Given(&'a Tensor),
 }
 
-/// Whether [`attend`] runs these tensors: f32 or bf16 on the CPU without gradients, on a CPU the
-/// row kernel runs on, at most [`ROW_KERNEL_MAX_ROWS`] new tokens (decoding and verification, as
-/// for linear layers); elsewhere libtorch's attention serves. A longer prefill is computed alike
+/// Whether [`attend`] runs these tensors: f32 or bf16 queries and f32, f16 or bf16 keys (a KV
+/// cache's `--kv-dtype`) on the CPU without gradients, on a CPU the row kernel runs on, at most
+/// [`ROW_KERNEL_MAX_ROWS`] new tokens (decoding and verification, as for linear layers); elsewhere
+/// libtorch's attention serves. A longer prefill is computed alike
 /// in plain and speculative decoding, and libtorch's blocked kernel is faster there (a 1,334-token
 /// prompt of SmolLM2: 4.4–4.7 s against 6.6–6.8 s here).
 pub fn applies(queries: &Tensor, keys: &Tensor) -> bool {
@@ -47,7 +49,7 @@ pub fn applies(queries: &Tensor, keys: &Tensor) -> bool {
         && queries.size()[2] as usize <= ROW_KERNEL_MAX_ROWS
         && queries.device() == Device::Cpu
         && matches!(queries.kind(), Kind::Float | Kind::BFloat16)
-        && keys.kind() == queries.kind()
+        && Dtype::of_kind(keys.kind()).is_some()
         && !queries.requires_grad()
         && !keys.requires_grad()
 }
@@ -136,8 +138,10 @@ pub(crate) unsafe fn attend_rows(
         dim,
         ..
     } = layout;
-    let (keys32, values32) = (rows_of_f32(keys), rows_of_f32(values));
-    let [_, kv_heads, len, _] = dims(&keys32);
+    let (keys, values) = (cache_rows(keys), cache_rows(values));
+    let elements = Dtype::of_kind(keys.kind()).expect("`applies` checked the keys' kind");
+    assert_eq!(values.kind(), keys.kind(), "keys and values of one cache");
+    let [_, kv_heads, len, _] = dims(&keys);
     // The mask's bytes, kept alive here while the pool's threads read them.
     let given_mask = match mask {
         KeyMask::Given(m) => Some(m.to_kind(Kind::Bool).contiguous()),
@@ -162,10 +166,11 @@ pub(crate) unsafe fn attend_rows(
     let pointers = Pointers {
         queries: queries as usize,
         query_strides: layout.strides,
-        keys: keys32.data_ptr() as usize,
-        values: values32.data_ptr() as usize,
-        key_strides: [keys32.stride()[0] as usize, keys32.stride()[1] as usize],
-        value_strides: [values32.stride()[0] as usize, values32.stride()[1] as usize],
+        keys: keys.data_ptr() as usize,
+        values: values.data_ptr() as usize,
+        elements,
+        key_strides: [keys.stride()[0] as usize, keys.stride()[1] as usize],
+        value_strides: [values.stride()[0] as usize, values.stride()[1] as usize],
         out: out.0 as usize,
         out_strides: out.1,
         mask: given_mask.as_ref().map_or(0, |m| m.data_ptr() as usize),
@@ -175,21 +180,21 @@ pub(crate) unsafe fn attend_rows(
     let run_part = |part: usize| {
         let first = (part * part_len).min(rows);
         let end = (first + part_len).min(rows);
-        // SAFETY: the tensors behind `pointers` are f32 (the mask bool) of the shapes read above,
-        // their rows of `dim` floats contiguous (the mask wholly), and outlive the call; each
-        // part writes only its own rows of `out`.
+        // SAFETY: the tensors behind `pointers` are f32 (keys and values of `elements`, the mask
+        // bool) of the shapes read above, their rows of `dim` elements contiguous (the mask
+        // wholly), and outlive the call; each part writes only its own rows of `out`.
         unsafe { shape.rows(pointers, &mask, first, end) };
     };
     pool.run(&run_part);
 }
 
-/// `t [batch, kv_heads, len, dim]` as f32 whose rows of `dim` floats are contiguous: a cache's
-/// keys or values as they are (their heads lie `capacity` rows apart), anything else copied.
-fn rows_of_f32(t: &Tensor) -> Tensor {
-    let t = t.to_kind(Kind::Float);
+/// `t [batch, kv_heads, len, dim]` with rows of `dim` contiguous elements: a cache's keys or
+/// values as they are (their heads lie `capacity` rows apart, in the cache's element type),
+/// anything else copied.
+fn cache_rows(t: &Tensor) -> Tensor {
     let dim = t.size()[3];
     match t.stride()[..] {
-        [_, _, row, 1] if row == dim => t,
+        [_, _, row, 1] if row == dim => t.shallow_clone(),
         _ => t.contiguous(),
     }
 }
@@ -210,13 +215,14 @@ enum Allowed {
 }
 
 /// Addresses of the f32 tensors (and the bool mask), passed to the pool's threads; keys and values
-/// with their batch and head strides.
+/// (of `elements`) with their batch and head strides in elements.
 #[derive(Clone, Copy)]
 struct Pointers {
     queries: usize,
     query_strides: RowStrides,
     keys: usize,
     values: usize,
+    elements: Dtype,
     key_strides: [usize; 2],
     value_strides: [usize; 2],
     out: usize,
@@ -266,10 +272,12 @@ impl Shape {
         let dim = self.dim;
         let kv_block = first / (self.group * self.new);
         let (batch, kv_head) = (kv_block / self.kv_heads, kv_block % self.kv_heads);
-        let at =
-            |[batch_stride, head_stride]: [usize; 2]| batch * batch_stride + kv_head * head_stride;
-        let keys = (pointers.keys as *const f32).add(at(pointers.key_strides));
-        let values = (pointers.values as *const f32).add(at(pointers.value_strides));
+        let bytes = pointers.elements.bytes();
+        let at = |[batch_stride, head_stride]: [usize; 2]| {
+            (batch * batch_stride + kv_head * head_stride) * bytes
+        };
+        let keys = (pointers.keys as *const u8).add(at(pointers.key_strides));
+        let values = (pointers.values as *const u8).add(at(pointers.value_strides));
         for chunk in (first..end).step_by(CHUNK_ROWS) {
             let rows: Vec<Row> = (chunk..(chunk + CHUNK_ROWS).min(end))
                 .map(|row| Row {
@@ -285,7 +293,18 @@ impl Shape {
                     ),
                 })
                 .collect();
-            kernel::attend_chunk(rows, self.scale, (keys, values), scratch);
+            let scale = self.scale;
+            match pointers.elements {
+                Dtype::F32 => {
+                    kernel::attend_chunk::<f32>(rows, scale, keys.cast(), values.cast(), scratch)
+                }
+                Dtype::F16 => {
+                    kernel::attend_chunk::<F16>(rows, scale, keys.cast(), values.cast(), scratch)
+                }
+                Dtype::Bf16 => {
+                    kernel::attend_chunk::<Bf16>(rows, scale, keys.cast(), values.cast(), scratch)
+                }
+            }
         }
     }
 
@@ -408,32 +427,36 @@ mod kernel {
     use std::arch::x86_64::*;
 
     use super::{mask_runs, KeysOf, Row, Scratch, LANES};
+    use crate::row_kernel::Element;
 
-    /// Keys per block of [`weigh_values`]: their values (16 KiB at 64 features) stay in L1 while
-    /// every row of the chunk takes its terms from them.
+    /// Keys per block of [`weigh_values`]: their values (16 KiB of f32 at 64 features) stay in
+    /// L1 while every row of the chunk takes its terms from them.
     const VALUE_BLOCK: usize = 64;
 
     /// The outputs of `rows` (at most [`super::CHUNK_ROWS`], one key/value head): raw scores
     /// against every key, softmax over each row's allowed ones, values weighted in key order.
+    /// Keys and values are stored as `E` and widened to f32 as they are loaded.
     ///
     /// # Safety
-    /// AVX2 and FMA are available; `keys` and `values` each hold the scratch's `len` rows of
-    /// `query.len()` floats.
-    #[target_feature(enable = "avx2,fma")]
-    pub(super) unsafe fn attend_chunk(
+    /// AVX2, FMA and F16C are available; `keys` and `values` each hold the scratch's `len` rows
+    /// of `query.len()` elements.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub(super) unsafe fn attend_chunk<E: Element>(
         mut rows: Vec<Row>,
         scale: f32,
-        (keys, values): (*const f32, *const f32),
+        keys: *const E,
+        values: *const E,
         scratch: &mut Scratch,
     ) {
         let len = scratch.len;
         let padded = Scratch::padded(len);
+        let dim = rows.first().map_or(0, |row| row.query.len());
         // Head widths of common models as constants (see `lane_sums`), any other as it comes.
         let scores = &mut scratch.scores;
-        match rows.first().map_or(0, |row| row.query.len()) {
-            64 => score_keys::<8>(&rows, keys, len, scale, scores),
-            128 => score_keys::<16>(&rows, keys, len, scale, scores),
-            _ => score_keys::<0>(&rows, keys, len, scale, scores),
+        match dim {
+            64 => score_keys::<E, 8>(&rows, keys, len, scale, scores),
+            128 => score_keys::<E, 16>(&rows, keys, len, scale, scores),
+            _ => score_keys::<E, 0>(&rows, keys, len, scale, scores),
         }
         // Each row's sum of weights; none where it may attend to no key (its output stays zero).
         let mut sums = [None; super::CHUNK_ROWS];
@@ -458,8 +481,8 @@ mod kernel {
                 sums[r] = Some(exponentiate(weights, count, max(&weights[..count])));
             }
         }
-        for block in (0..len).step_by(VALUE_BLOCK) {
-            let block = block..(block + VALUE_BLOCK).min(len);
+        for first in (0..len).step_by(VALUE_BLOCK) {
+            let block = first..(first + VALUE_BLOCK).min(len);
             for (r, row) in rows.iter_mut().enumerate() {
                 let mut weight = 0;
                 for run in &scratch.runs[r] {
@@ -467,7 +490,7 @@ mod kernel {
                     if !part.is_empty() {
                         let first = weight + part.start - run.start;
                         let weights = &scratch.weights[r * padded + first..][..part.len()];
-                        weigh_values(weights, values.add(part.start * row.out.len()), row.out);
+                        weigh_values(weights, values.add(part.start * dim), row.out);
                     }
                     weight += run.len();
                 }
@@ -500,10 +523,10 @@ mod kernel {
     /// rows of the queries' width), each exactly as [`dot`] forms it. [`LANES`] keys at a time
     /// for every row (the keys stay in L1 meanwhile), their horizontal sums taken together by
     /// [`horizontal_sums`] (one sum at a time cost about as much as the products themselves).
-    #[target_feature(enable = "avx2,fma")]
-    unsafe fn score_keys<const VECTORS: usize>(
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn score_keys<E: Element, const VECTORS: usize>(
         rows: &[Row],
-        keys: *const f32,
+        keys: *const E,
         len: usize,
         scale: f32,
         scores: &mut [f32],
@@ -515,16 +538,12 @@ mod kernel {
         let key = |k: usize| keys.add(k * dim);
         for block in (0..len / LANES * LANES).step_by(LANES) {
             for (r, row) in rows.iter().enumerate() {
-                let sums: [__m256; LANES] =
-                    std::array::from_fn(|k| lane_sums::<VECTORS>(row.query, key(block + k)));
+                let sums = horizontal_sums(|k| lane_sums::<E, VECTORS>(row.query, key(block + k)));
                 let out = scores.as_mut_ptr().add(r * len + block);
                 if whole {
-                    _mm256_storeu_ps(
-                        out,
-                        _mm256_mul_ps(horizontal_sums(sums), _mm256_set1_ps(scale)),
-                    );
+                    _mm256_storeu_ps(out, _mm256_mul_ps(sums, _mm256_set1_ps(scale)));
                 } else {
-                    _mm256_storeu_ps(out, horizontal_sums(sums));
+                    _mm256_storeu_ps(out, sums);
                     for k in 0..LANES {
                         *out.add(k) = tail(row.query, key(block + k), *out.add(k)) * scale;
                     }
@@ -540,43 +559,44 @@ mod kernel {
 
     /// `q · k`: [`lane_sums`], their fixed [`horizontal_sum`], then the remaining features in
     /// order ([`tail`]).
-    #[target_feature(enable = "avx2,fma")]
+    #[target_feature(enable = "avx2,fma,f16c")]
     #[inline]
-    unsafe fn dot(query: &[f32], key: *const f32) -> f32 {
-        tail(query, key, horizontal_sum(lane_sums::<0>(query, key)))
+    unsafe fn dot<E: Element>(query: &[f32], key: *const E) -> f32 {
+        tail(query, key, horizontal_sum(lane_sums::<E, 0>(query, key)))
     }
 
     /// `sum` plus the products of the features past the last whole vector, in order.
-    #[target_feature(enable = "avx2,fma")]
+    #[target_feature(enable = "avx2,fma,f16c")]
     #[inline]
-    unsafe fn tail(query: &[f32], key: *const f32, mut sum: f32) -> f32 {
+    unsafe fn tail<E: Element>(query: &[f32], key: *const E, mut sum: f32) -> f32 {
         for (t, &q) in query.iter().enumerate().skip(query.len() / LANES * LANES) {
-            sum = q.mul_add(*key.add(t), sum);
+            sum = q.mul_add(E::load1(key, t), sum);
         }
         sum
     }
 
     /// The products of `q` and `k`'s whole vectors of features, [`LANES`] at a time into two
     /// alternating accumulators, then their sum: lane `l` holds the features `l mod LANES`.
-    #[target_feature(enable = "avx2,fma")]
+    #[target_feature(enable = "avx2,fma,f16c")]
     #[inline]
-    unsafe fn lane_sums<const VECTORS: usize>(query: &[f32], key: *const f32) -> __m256 {
+    unsafe fn lane_sums<E: Element, const VECTORS: usize>(query: &[f32], key: *const E) -> __m256 {
         // A constant where the caller knows the width (then the loop unrolls and the query
         // stays in registers across keys), else the query's.
         let vectors = match VECTORS {
             0 => query.len() / LANES,
             known => known,
         };
-        let load = |p: *const f32, v: usize| _mm256_loadu_ps(p.add(v * LANES));
+        let q = |v: usize| _mm256_loadu_ps(query.as_ptr().add(v * LANES));
+        let k = |v: usize| E::load8(key, v * LANES);
         let (mut even, mut odd) = (_mm256_setzero_ps(), _mm256_setzero_ps());
         for pair in 0..vectors / 2 {
-            let (v, q) = (2 * pair, query.as_ptr());
-            even = _mm256_fmadd_ps(load(q, v), load(key, v), even);
-            odd = _mm256_fmadd_ps(load(q, v + 1), load(key, v + 1), odd);
+            let v = 2 * pair;
+            even = _mm256_fmadd_ps(q(v), k(v), even);
+            odd = _mm256_fmadd_ps(q(v + 1), k(v + 1), odd);
         }
         if vectors % 2 == 1 {
             let v = vectors - 1;
-            even = _mm256_fmadd_ps(load(query.as_ptr(), v), load(key, v), even);
+            even = _mm256_fmadd_ps(q(v), k(v), even);
         }
         _mm256_add_ps(even, odd)
     }
@@ -590,28 +610,31 @@ mod kernel {
         _mm_cvtss_f32(_mm_add_ss(pair, _mm_shuffle_ps(pair, pair, 1)))
     }
 
-    /// Lane `k` the [`horizontal_sum`] of `v[k]`, by the same additions in the same order, for
-    /// eight vectors at once: first each vector's halves (`v₀ + v₄`, …), then each quad's
-    /// (`q₀ + q₂`, `q₁ + q₃`), then each pair's.
+    /// Lane `k` the [`horizontal_sum`] of `vector(k)`, by the same additions in the same order,
+    /// for eight vectors at once: first each vector's halves (`v₀ + v₄`, …), then each quad's
+    /// (`q₀ + q₂`, `q₁ + q₃`), then each pair's. Each vector is asked for only when its first
+    /// addition is due, so at most two of them and two partial sums are live at once and the
+    /// queries and accumulators of [`score_keys`] can stay in registers.
     #[target_feature(enable = "avx2,fma")]
     #[inline]
-    unsafe fn horizontal_sums(v: [__m256; LANES]) -> __m256 {
+    unsafe fn horizontal_sums(mut vector: impl FnMut(usize) -> __m256) -> __m256 {
         // (quads of v[2i] | quads of v[2i + 1]).
-        let quads: [__m256; 4] = std::array::from_fn(|i| {
-            let (a, b) = (v[2 * i], v[2 * i + 1]);
+        let mut quad = |i: usize| {
+            let (a, b) = (vector(2 * i), vector(2 * i + 1));
             _mm256_add_ps(
                 _mm256_permute2f128_ps::<0x20>(a, b),
                 _mm256_permute2f128_ps::<0x31>(a, b),
             )
-        });
+        };
         // (pairs of v[4i], of v[4i + 2] | pairs of v[4i + 1], of v[4i + 3]).
-        let pairs: [__m256; 2] = std::array::from_fn(|i| {
-            let (a, b) = (quads[2 * i], quads[2 * i + 1]);
+        let mut pair = |i: usize| {
+            let (a, b) = (quad(2 * i), quad(2 * i + 1));
             _mm256_add_ps(
                 _mm256_shuffle_ps::<0b01_00_01_00>(a, b),
                 _mm256_shuffle_ps::<0b11_10_11_10>(a, b),
             )
-        });
+        };
+        let pairs = [pair(0), pair(1)];
         // Sums of v[0], v[2], v[4], v[6] | of v[1], v[3], v[5], v[7].
         let sums = _mm256_add_ps(
             _mm256_shuffle_ps::<0b10_00_10_00>(pairs[0], pairs[1]),
@@ -627,7 +650,7 @@ mod kernel {
         let v: [__m256; LANES] =
             std::array::from_fn(|k| _mm256_loadu_ps(values[k * LANES..].as_ptr()));
         let mut together = [0f32; LANES];
-        _mm256_storeu_ps(together.as_mut_ptr(), horizontal_sums(v));
+        _mm256_storeu_ps(together.as_mut_ptr(), horizontal_sums(|k| v[k]));
         (together, v.map(|v| horizontal_sum(v)))
     }
 
@@ -654,22 +677,22 @@ mod kernel {
     /// `out += Σ_i weights[i] · v_i` for the `weights.len()` consecutive value rows from `values`,
     /// each feature one chain of FMAs over the keys in order (continued from the last block's);
     /// features [`GROUP`] vectors at a time, kept in registers.
-    #[target_feature(enable = "avx2,fma")]
-    unsafe fn weigh_values(weights: &[f32], values: *const f32, out: &mut [f32]) {
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn weigh_values<E: Element>(weights: &[f32], values: *const E, out: &mut [f32]) {
         let dim = out.len();
         let vectors = dim / LANES;
         let mut first = 0;
         while first + GROUP <= vectors {
-            weigh_group::<GROUP>(weights, values, dim, first, out);
+            weigh_group::<E, GROUP>(weights, values, dim, first, out);
             first += GROUP;
         }
         while first < vectors {
-            weigh_group::<1>(weights, values, dim, first, out);
+            weigh_group::<E, 1>(weights, values, dim, first, out);
             first += 1;
         }
         for (t, feature) in out.iter_mut().enumerate().skip(vectors * LANES) {
             for (k, &weight) in weights.iter().enumerate() {
-                *feature = weight.mul_add(*values.add(k * dim + t), *feature);
+                *feature = weight.mul_add(E::load1(values, k * dim + t), *feature);
             }
         }
     }
@@ -678,11 +701,11 @@ mod kernel {
     const GROUP: usize = 8;
 
     /// Feature vectors `first..first + N` of [`weigh_values`].
-    #[target_feature(enable = "avx2,fma")]
+    #[target_feature(enable = "avx2,fma,f16c")]
     #[inline]
-    unsafe fn weigh_group<const N: usize>(
+    unsafe fn weigh_group<E: Element, const N: usize>(
         weights: &[f32],
-        values: *const f32,
+        values: *const E,
         dim: usize,
         first: usize,
         out: &mut [f32],
@@ -693,7 +716,7 @@ mod kernel {
             let value = values.add(k * dim + first * LANES);
             let w = _mm256_set1_ps(weight);
             for (v, a) in acc.iter_mut().enumerate() {
-                *a = _mm256_fmadd_ps(w, _mm256_loadu_ps(value.add(v * LANES)), *a);
+                *a = _mm256_fmadd_ps(w, E::load8(value, v * LANES), *a);
             }
         }
         for (v, a) in acc.iter().enumerate() {
@@ -745,11 +768,13 @@ pub(crate) use kernel::exp as exp_nonpositive;
 #[cfg(not(target_arch = "x86_64"))]
 mod kernel {
     use super::{Row, Scratch};
+    use crate::row_kernel::Element;
 
-    pub(super) unsafe fn attend_chunk(
+    pub(super) unsafe fn attend_chunk<E: Element>(
         _: Vec<Row>,
         _: f32,
-        _: (*const f32, *const f32),
+        _: *const E,
+        _: *const E,
         _: &mut Scratch,
     ) {
         unreachable!("row attention runs only where the row kernel does")
@@ -782,6 +807,32 @@ mod tests {
                     }
                 }
                 assert_eq!(runs, want, "{mask:?}");
+            }
+        }
+    }
+
+    /// Keys and values stored in 16 bits are read as the f32 values they widen to: the same bits
+    /// as an f32 cache holding those values, at key counts with partial tiles and tails, with
+    /// and without a mask.
+    #[test]
+    fn sixteen_bit_keys_attend_as_their_f32_values() {
+        if !row_kernel::available() {
+            return;
+        }
+        let pool = SpinPool::new(2);
+        let options = (Kind::Float, Device::Cpu);
+        for (len, new) in [(7, 1), (64, 3), (150, 8), (301, 17)] {
+            let queries = Tensor::randn([1, 6, new, 64], options);
+            let mask = Tensor::rand([1, 1, new, len], options).gt(0.3);
+            for kind in [Kind::Half, Kind::BFloat16] {
+                let keys = Tensor::randn([1, 2, len, 64], options).to_kind(kind);
+                let values = Tensor::randn([1, 2, len, 64], options).to_kind(kind);
+                let wide = |t: &Tensor| t.to_kind(Kind::Float);
+                for mask in [KeyMask::All, KeyMask::Given(&mask)] {
+                    let narrow = attend(&queries, &keys, &values, mask, &pool);
+                    let f32s = attend(&queries, &wide(&keys), &wide(&values), mask, &pool);
+                    assert!(narrow.equal(&f32s), "{kind:?}, {len} keys, {new} rows");
+                }
             }
         }
     }

@@ -11,14 +11,17 @@
 //! input features in order, a fixed horizontal sum, then the tail in order), whatever the number
 //! of rows or how the output features are split between threads. A token's logits are therefore
 //! bit-for-bit the same whether it is decoded alone or verified inside a tree, as far as the
-//! linear layers go. Weights are f32 or bf16 ([`WeightElement`]); bf16 weights are widened to f32
+//! linear layers go. Weights are f32 or bf16 ([`Element`]); bf16 weights are widened to f32
 //! exactly as they are loaded, so both run the same f32 arithmetic.
 
-/// Whether this CPU runs the kernel (x86-64 with AVX2 and FMA); elsewhere `gemm` serves.
+/// Whether this CPU runs the kernel (x86-64 with AVX2 and FMA, and F16C, which every AVX2 CPU
+/// has, for 16-bit KV caches); elsewhere `gemm` serves.
 pub fn available() -> bool {
     #[cfg(target_arch = "x86_64")]
     {
-        is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma")
+        is_x86_feature_detected!("avx2")
+            && is_x86_feature_detected!("fma")
+            && is_x86_feature_detected!("f16c")
     }
     #[cfg(not(target_arch = "x86_64"))]
     {
@@ -35,8 +38,9 @@ pub struct Product {
     pub y_stride: usize,
 }
 
-/// An element type of weights the kernel reads: 8 at a time into f32 lanes, or one as an f32.
-pub trait WeightElement: Copy {
+/// An element type the row kernels read, 8 at a time into f32 lanes or one as an f32, each
+/// widened exactly: weights (f32, bf16) and KV caches (f32, f16, bf16).
+pub trait Element: Copy {
     /// # Safety
     /// `at..at + 8` must be in bounds of `row`; AVX2 must be available.
     #[cfg(target_arch = "x86_64")]
@@ -46,7 +50,7 @@ pub trait WeightElement: Copy {
     unsafe fn load1(row: *const Self, at: usize) -> f32;
 }
 
-impl WeightElement for f32 {
+impl Element for f32 {
     #[cfg(target_arch = "x86_64")]
     #[inline(always)]
     unsafe fn load8(row: *const Self, at: usize) -> std::arch::x86_64::__m256 {
@@ -63,7 +67,7 @@ impl WeightElement for f32 {
 #[repr(transparent)]
 pub struct Bf16(pub u16);
 
-impl WeightElement for Bf16 {
+impl Element for Bf16 {
     #[cfg(target_arch = "x86_64")]
     #[inline(always)]
     unsafe fn load8(row: *const Self, at: usize) -> std::arch::x86_64::__m256 {
@@ -77,6 +81,25 @@ impl WeightElement for Bf16 {
     }
 }
 
+/// An IEEE half-precision value's bits (a 16-bit KV cache). Reading it 8 at a time takes F16C,
+/// which every CPU with AVX2 has ([`available`] checks).
+#[derive(Clone, Copy)]
+#[repr(transparent)]
+pub struct F16(pub u16);
+
+impl Element for F16 {
+    #[cfg(target_arch = "x86_64")]
+    #[inline(always)]
+    unsafe fn load8(row: *const Self, at: usize) -> std::arch::x86_64::__m256 {
+        use std::arch::x86_64::*;
+        _mm256_cvtph_ps(_mm_loadu_si128(row.add(at) as *const __m128i))
+    }
+    #[inline(always)]
+    unsafe fn load1(row: *const Self, at: usize) -> f32 {
+        half::f16::from_bits((*row.add(at)).0).to_f32()
+    }
+}
+
 /// Computes columns `first..first + len` of `y = x wᵀ`.
 ///
 /// # Safety
@@ -84,7 +107,7 @@ impl WeightElement for Bf16 {
 /// `(first + len) × in_features` elements, and `y` `rows × y_stride` floats with
 /// `first + len ≤ y_stride`; no other thread may write those columns of `y` meanwhile.
 #[cfg(target_arch = "x86_64")]
-pub unsafe fn columns<W: WeightElement>(
+pub unsafe fn columns<W: Element>(
     x: *const f32,
     w: *const W,
     y: *mut f32,
@@ -138,7 +161,7 @@ struct Tile {
 impl Tile {
     /// Computes the tile's outputs and returns `R`, the rows done.
     #[target_feature(enable = "avx2,fma")]
-    unsafe fn run<W: WeightElement, const R: usize>(
+    unsafe fn run<W: Element, const R: usize>(
         self,
         x: *const f32,
         w: *const W,
@@ -185,7 +208,7 @@ impl Tile {
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma")]
 #[inline]
-unsafe fn step<W: WeightElement, const R: usize>(
+unsafe fn step<W: Element, const R: usize>(
     acc: &mut [[std::arch::x86_64::__m256; CHAINS]; R],
     chain: usize,
     x_rows: &[*const f32; R],

@@ -11,6 +11,7 @@ use crate::cpu::CpuThreads;
 use crate::dtype::Dtype;
 use crate::kv_cache::KvCache;
 use crate::llama::CausalLm;
+use crate::row_kernel;
 use crate::tokenizer::TextTokenizer;
 use crate::weights::{SafetensorsWeights, WeightSource};
 use crate::{ModelError, Result};
@@ -126,6 +127,12 @@ pub struct TargetArgs {
     /// CPU threads for inference (0: one per core, libtorch's default).
     #[arg(long, default_value_t = 0)]
     pub threads: usize,
+    /// Element type of the KV cache. Default: f16 where the target's matrices run quantised on
+    /// the CPU (a GGUF: measured faster there, and llama.cpp's default), else the activations'.
+    /// A 16-bit cache halves attention's bytes; keys and values are rounded once, as they are
+    /// written, and speculative decoding stays identical to plain decoding with the same cache.
+    #[arg(long, value_enum)]
+    pub kv_dtype: Option<Dtype>,
 }
 
 impl TargetArgs {
@@ -170,8 +177,11 @@ pub struct Target {
     pub chat_template: Option<ChatTemplate>,
     /// Generation stops at any of these: the config's EOS ids plus the chat end-of-turn token.
     pub stop_ids: Vec<u32>,
-    /// The kind activations, caches and hidden-state features run in.
+    /// The kind activations and hidden-state features run in.
     pub kind: Kind,
+    /// The kind [`Self::new_cache`] stores keys and values in: `kind` as loaded;
+    /// [`Self::set_kv_dtype`] applies `--kv-dtype` and its default.
+    pub kv_kind: Kind,
     /// The kind the dense weight matrices are stored in: `kind`, or bf16 under f32 activations
     /// (see [`activation_kind`]).
     pub weight_kind: Kind,
@@ -237,17 +247,30 @@ impl Target {
             chat_template: parts.chat_template,
             stop_ids,
             kind,
+            kv_kind: kind,
             weight_kind: kind,
             device,
             cpu,
         })
     }
 
+    /// Sets [`Self::kv_kind`] to `dtype`, or with `None` to the default `--kv-dtype` documents:
+    /// f16 where the matrices run quantised on the CPU's row kernels, else the activations' kind.
+    pub fn set_kv_dtype(&mut self, dtype: Option<Dtype>) {
+        let quantised_cpu =
+            self.device == Device::Cpu && self.model.runs_quantised() && row_kernel::available();
+        self.kv_kind = match dtype {
+            Some(dtype) => dtype.kind(),
+            None if quantised_cpu => Kind::Half,
+            None => self.kind,
+        };
+    }
+
     /// An empty KV cache for `batch` sequences of up to `capacity` positions, each layer's on
     /// that layer's device.
     pub fn new_cache(&self, batch: usize, capacity: usize) -> Result<KvCache> {
         let devices = self.model.model.layer_devices();
-        KvCache::placed(self.model.config(), batch, capacity, self.kind, &devices)
+        KvCache::placed(self.model.config(), batch, capacity, self.kv_kind, &devices)
     }
 
     /// Prompt text for `messages` (chat template with the generation prompt), or an error naming

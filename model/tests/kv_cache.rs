@@ -25,7 +25,12 @@ fn ids(tokens: &[i64]) -> Tensor {
 }
 
 fn empty_cache(model: &CausalLm) -> KvCache {
-    KvCache::new(model.config(), 1, 64, Kind::Float, Device::Cpu).unwrap()
+    cache_of(model, Kind::Float, 64)
+}
+
+/// An empty cache of `capacity` positions whose keys and values are stored in `kind`.
+fn cache_of(model: &CausalLm, kind: Kind, capacity: usize) -> KvCache {
+    KvCache::new(model.config(), 1, capacity, kind, Device::Cpu).unwrap()
 }
 
 /// Hidden states of a causal forward over `tokens` after whatever `cache` holds.
@@ -155,14 +160,17 @@ fn tree_masked_forward_equals_separate_forwards_of_each_path() {
 #[test]
 fn compacting_an_accepted_path_equals_recomputing_without_the_dropped_nodes() {
     let model = tiny_model();
-    for path in TREE_PATHS {
-        let mut cache = empty_cache(&model);
+    let cases = TREE_PATHS
+        .iter()
+        .flat_map(|path| [(path, Kind::Float), (path, Kind::Half)]);
+    for (path, kind) in cases {
+        let mut cache = cache_of(&model, kind, 64);
         prefill(&model, &PROMPT, &mut cache);
         let _ = tree_forward(&model, &mut cache);
         let keep: Vec<usize> = path.iter().map(|&n| PROMPT.len() + n).collect();
         cache.compact(PROMPT.len(), &keep).unwrap();
 
-        let mut expected = empty_cache(&model);
+        let mut expected = cache_of(&model, kind, 64);
         let tokens: Vec<i64> = PROMPT
             .iter()
             .copied()
@@ -175,6 +183,33 @@ fn compacting_an_accepted_path_equals_recomputing_without_the_dropped_nodes() {
         let next = run(&model, &[7], &mut cache);
         let next_expected = run(&model, &[7], &mut expected);
         assert!(max_diff(&next, &next_expected) < TOLERANCE);
+    }
+}
+
+/// A 16-bit cache holds what an f32 cache holds, rounded once as it is written: layer 0's keys
+/// and values (which depend on the tokens alone) equal the f32 cache's converted by libtorch,
+/// whether the few-row layer wrote them (a short prompt) or libtorch (past 64 tokens).
+#[test]
+fn a_sixteen_bit_cache_holds_the_f32_cache_rounded_once() {
+    let model = tiny_model();
+    for tokens in [8, 100] {
+        let prompt: Vec<i64> = (0..tokens).map(|t| (t * 7 + 3) % 250).collect();
+        let mut wide = cache_of(&model, Kind::Float, 128);
+        prefill(&model, &prompt, &mut wide);
+        for kind in [Kind::Half, Kind::BFloat16] {
+            let mut narrow = cache_of(&model, kind, 128);
+            prefill(&model, &prompt, &mut narrow);
+            let ((keys, values), (wide_keys, wide_values)) = (narrow.layer(0), wide.layer(0));
+            assert_eq!(keys.kind(), kind);
+            assert!(
+                keys.equal(&wide_keys.to_kind(kind)),
+                "{kind:?} keys, {tokens} tokens"
+            );
+            assert!(
+                values.equal(&wide_values.to_kind(kind)),
+                "{kind:?} values, {tokens} tokens"
+            );
+        }
     }
 }
 

@@ -79,7 +79,8 @@ fn forward(model: &CausalLm, input: &TreeInput, cache: &mut KvCache) -> (Tensor,
 }
 
 /// Checks every node of a random tree of `size` tokens after a random prefix of `prefix`
-/// tokens against decoding it alone after its ancestors.
+/// tokens against decoding it alone after its ancestors, the cache's keys and values stored in
+/// `kind`.
 fn check_tree(model: &CausalLm, kind: Kind, prefix: usize, size: usize, seed: u64) {
     let config = model.config();
     let mut rng = StdRng::seed_from_u64(seed);
@@ -133,6 +134,23 @@ fn every_tree_size_verifies_each_token_bit_for_bit_as_decoding_it() {
     }
 }
 
+/// A 16-bit cache under f32 activations (`--kv-dtype`): keys and values rounded as they are
+/// written, by the few-row layer or by libtorch's prefill past 64 tokens, read back widened.
+#[test]
+fn sixteen_bit_caches_keep_verification_bit_exact() {
+    for config in configs() {
+        let model = model(&config, Kind::Float);
+        for cache_kind in [Kind::Half, Kind::BFloat16] {
+            for (seed, &size) in TREE_SIZES.iter().enumerate() {
+                check_tree(&model, cache_kind, 37, size, seed as u64);
+            }
+            for prefix in [70, 513] {
+                check_tree(&model, cache_kind, prefix, 64, prefix as u64);
+            }
+        }
+    }
+}
+
 #[test]
 fn prefixes_across_attention_block_sizes_keep_verification_bit_exact() {
     for config in configs() {
@@ -151,12 +169,15 @@ fn prefixes_across_attention_block_sizes_keep_verification_bit_exact() {
 /// one at a time.
 #[test]
 fn a_causal_run_equals_decoding_its_tokens_one_by_one() {
-    for config in configs() {
+    let cases = configs()
+        .into_iter()
+        .flat_map(|config| [(config.clone(), Kind::Float), (config, Kind::Half)]);
+    for (config, cache_kind) in cases {
         let model = model(&config, Kind::Float);
         let mut rng = StdRng::seed_from_u64(5);
         let tokens: Vec<u32> = (0..80).map(|_| rng.random_range(0..300)).collect();
         let (prompt, run) = tokens.split_at(16);
-        let mut cache = KvCache::new(&config, 1, 128, Kind::Float, Device::Cpu).unwrap();
+        let mut cache = KvCache::new(&config, 1, 128, cache_kind, Device::Cpu).unwrap();
         let _prefill = forward(
             &model,
             &TreeInput::causal(0, prompt, Device::Cpu),
@@ -169,7 +190,7 @@ fn a_causal_run_equals_decoding_its_tokens_one_by_one() {
             let (alone, _) = forward(&model, &input, &mut cache);
             assert!(
                 alone.equal(&together.narrow(1, i as i64, 1)),
-                "token {i} of a causal run of {}",
+                "token {i} of a causal run of {} ({cache_kind:?} cache)",
                 run.len()
             );
         }

@@ -175,6 +175,7 @@ pub fn run_prepare(args: PrepareArgs, hooks: &Hooks) -> anyhow::Result<()> {
         device: args.device.clone(),
         dtype: args.target_dtype,
         threads: args.threads,
+        kv_dtype: None,
     };
     let target = headway_gguf::load_target(&target_args)
         .with_context(|| format!("loading target {}", target_args.path().display()))?;

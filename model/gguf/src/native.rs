@@ -32,7 +32,9 @@ pub fn load_target(args: &TargetArgs) -> Result<Target> {
     let devices = parse_devices(&args.device)?;
     let path = args.path();
     let cpu = CpuThreads::checked(args.threads)?;
-    open_target_placed(&path, args.dtype.kind(), &devices, cpu)
+    let mut target = open_target_placed(&path, args.dtype.kind(), &devices, cpu)?;
+    target.set_kv_dtype(args.kv_dtype);
+    Ok(target)
 }
 
 /// Opens `path`: a GGUF file natively, anything else as an HF model directory.

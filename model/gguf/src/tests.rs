@@ -868,10 +868,26 @@ fn a_gguf_target_runs_its_blocks_natively_close_to_the_converted_directory() {
     let out = dir.path().join("out");
     convert_gguf(&path, &out, Dtype::F32).expect("convert");
     let threads = headway_model::CpuThreads::new(2);
-    let native = crate::open_target(&path, tch::Kind::Float, tch::Device::Cpu, threads.clone())
+    let mut native = crate::open_target(&path, tch::Kind::Float, tch::Device::Cpu, threads.clone())
         .expect("open the GGUF");
-    let converted = headway_model::Target::load(&out, tch::Kind::Float, tch::Device::Cpu, threads)
-        .expect("load the converted directory");
+    let mut converted =
+        headway_model::Target::load(&out, tch::Kind::Float, tch::Device::Cpu, threads)
+            .expect("load the converted directory");
+    // `--kv-dtype`'s default: f16 beside quantised matrices (where the row kernels run), the
+    // activations' kind for dense ones; a given type wins.
+    native.set_kv_dtype(None);
+    converted.set_kv_dtype(None);
+    let expected = if headway_model::row_kernel::available() {
+        tch::Kind::Half
+    } else {
+        tch::Kind::Float
+    };
+    assert_eq!(
+        (native.kv_kind, converted.kv_kind),
+        (expected, tch::Kind::Float)
+    );
+    native.set_kv_dtype(Some(Dtype::F32));
+    assert_eq!(native.kv_kind, tch::Kind::Float);
 
     // No matrix fell back to f32: at most 8.5 bits per weight (Q8_0's) against 32.
     let (bytes, f32_bytes) = (

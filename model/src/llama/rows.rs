@@ -21,11 +21,13 @@ use crate::linear::{
 use crate::row_attention::{self, RowLayout, RowStrides};
 use crate::row_kernel;
 use crate::spin_pool::SpinPool;
+use crate::{kv_elements, Dtype};
 
 impl DecoderLayer {
     /// Whether [`Self::forward_rows`] runs `x` `[batch, new, hidden]` at `rope` in `ctx`: f32 on
     /// the CPU without gradients, at most [`ROW_KERNEL_MAX_ROWS`] rows, a CPU policy with a pool,
-    /// an f32 cache of `x`'s batch, and every weight one the few-row kernels take.
+    /// a CPU cache of `x`'s batch (f32, f16 or bf16), and every weight one the few-row kernels
+    /// take.
     pub(super) fn runs_rows(
         &self,
         x: &Tensor,
@@ -39,11 +41,15 @@ impl DecoderLayer {
                 && t.is_contiguous()
                 && t.numel() == rows * self.self_attn.head_dim as usize
         });
-        let cache_f32 = ctx.cache.as_deref().is_some_and(|cache| {
+        let cache_rows = ctx.cache.as_deref().is_some_and(|cache| {
             let (keys, values) = cache.storage(ctx.layer);
-            [keys, values]
-                .into_iter()
-                .all(|t| plain_cpu_f32(t) && t.is_contiguous() && t.size()[0] == size[0])
+            [keys, values].into_iter().all(|t| {
+                Dtype::of_kind(t.kind()).is_some()
+                    && t.device() == Device::Cpu
+                    && !t.requires_grad()
+                    && t.is_contiguous()
+                    && t.size()[0] == size[0]
+            })
         });
         let norms = self.norms().all(|norm| plain_cpu_f32(&norm.weight));
         let linears = self.linears().all(Linear::runs_rows);
@@ -53,7 +59,7 @@ impl DecoderLayer {
             && plain_cpu_f32(x)
             && (1..=ROW_KERNEL_MAX_ROWS).contains(&rows)
             && rope_rows
-            && cache_f32
+            && cache_rows
             && norms
             && linears
     }
@@ -208,7 +214,7 @@ impl Attention {
             token: heads * dim,
         };
         // SAFETY: `qkv` holds the query rows `queries` describes (each row's heads first), `out`
-        // the output rows at `out_strides`; both outlive the call; the cache views are f32 CPU
+        // the output rows at `out_strides`; both outlive the call; the cache views are CPU
         // tensors of `[batch, kv_heads, len, dim]` (`runs_rows`), where `applies` holds.
         unsafe {
             row_attention::attend_rows(
@@ -225,10 +231,12 @@ impl Attention {
 }
 
 /// Where the new rows' keys and values go: `layer`'s cache storage `[batch, kv_heads, capacity,
-/// dim]`, after its cached rows. Written by many threads at once, each its own heads.
+/// dim]`, after its cached rows, rounded to the cache's element type. Written by many threads at
+/// once, each its own heads.
 struct CacheRows {
     keys: usize,
     values: usize,
+    elements: Dtype,
     capacity: usize,
     past: usize,
     new: usize,
@@ -248,6 +256,7 @@ impl CacheRows {
         Self {
             keys: keys.data_ptr() as usize,
             values: values.data_ptr() as usize,
+            elements: Dtype::of_kind(keys.kind()).expect("`runs_rows` checked the cache's kind"),
             capacity,
             past,
             new,
@@ -270,11 +279,12 @@ impl CacheRows {
         let (sequence, token) = (row / self.new, row % self.new);
         let at =
             ((sequence * self.kv_heads + kv_head) * self.capacity + self.past + token) * self.dim;
-        // SAFETY: the storage is a contiguous f32 `[batch, kv_heads, capacity, dim]` tensor
-        // (`runs_rows`) of the rows' batch, and `at` addresses one of its rows (room asserted in
-        // `new`).
+        // SAFETY: the storage is a contiguous `[batch, kv_heads, capacity, dim]` tensor of
+        // `elements` (`runs_rows`) of the rows' batch, and `at` addresses one of its rows (room
+        // asserted in `new`).
         unsafe {
-            std::ptr::copy_nonoverlapping(from.as_ptr(), (storage as *mut f32).add(at), self.dim)
+            let to = (storage as *mut u8).add(at * self.elements.bytes());
+            kv_elements::narrow(self.elements, from, to)
         };
     }
 }

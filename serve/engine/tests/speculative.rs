@@ -336,6 +336,62 @@ fn greedy_speculative_output_equals_plain_greedy_for_every_drafter() {
     assert!(mean("draft (other model) + lookup") > mean("lookup") + 0.02);
 }
 
+/// A 16-bit KV cache (`--kv-dtype f16` or `bf16`): speculative decoding, whose accepted paths are
+/// compacted in the cache, stays token for token plain decoding with the same cache, and the
+/// cache really is in that type (plain decoding's output moves off the f32 cache's on some
+/// prompt).
+#[test]
+fn greedy_speculative_output_equals_plain_greedy_with_a_sixteen_bit_cache() {
+    let (_dir, mut target) = tiny_target(11);
+    let new_tokens = 40;
+    let prompts = random_prompts(12, 5);
+    let plain_of = |target: &Target| -> Vec<Vec<u32>> {
+        prompts
+            .iter()
+            .map(|p| {
+                generate(target, p, new_tokens, &mut greedy(), &mut |_| {})
+                    .unwrap()
+                    .tokens
+            })
+            .collect()
+    };
+    let wide = plain_of(&target);
+    for kind in [Kind::Half, Kind::BFloat16] {
+        target.kv_kind = kind;
+        assert_eq!(target.new_cache(1, 4).unwrap().layer(0).0.kind(), kind);
+        let plain = plain_of(&target);
+        if kind == Kind::BFloat16 {
+            assert_ne!(plain, wide, "bf16 keys and values move some greedy output");
+        }
+        let (eagle3, d2t3) = random_eagle3(&target);
+        let shape = EagleTreeShape {
+            depth: 4,
+            top_k: 3,
+            tree_tokens: 10,
+        };
+        for (i, prompt) in prompts.iter().enumerate() {
+            let mut drafters: Vec<(&str, Box<dyn Drafter>)> = vec![
+                ("lookup", Box::new(LookupDrafter::default())),
+                (
+                    "oracle",
+                    Box::new(oracle(&target, prompt, new_tokens, i as u64)),
+                ),
+                (
+                    "eagle3",
+                    Box::new(EagleDrafter::new(&eagle3, Some(&d2t3), shape, 80, decode()).unwrap()),
+                ),
+            ];
+            for (name, drafter) in &mut drafters {
+                let (tokens, _) = speculative_tokens(&target, drafter.as_mut(), prompt, new_tokens);
+                assert_eq!(
+                    tokens, plain[i],
+                    "{name}, {kind:?} cache, prompt {i}: {prompt:?}"
+                );
+            }
+        }
+    }
+}
+
 /// Issue 21: draft models whose LM head is narrower or wider than the target's, over the same
 /// tokenizer, leave greedy output unchanged. Drawn with the target's seed they are the target
 /// with rows cut off or added, so the wider one, its extra rows masked, drafts the target's own

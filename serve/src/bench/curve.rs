@@ -1,6 +1,7 @@
 //! What verifying more rows costs: the target's forward time for 1–16, 24, 32 and 64 new tokens
 //! after a prompt, each as a multiple of one row's, beside the roof the host sets — reading the
-//! step's weights at the rate the run measured, and (for quantised weights) their int8
+//! step's weights and the prompt's keys and values at the rate the run measured, and (for
+//! quantised weights) their int8
 //! multiply-accumulates at the rate the kernel's instruction reaches on this host. Speculative
 //! decoding pays only while k rows cost about one: this is the curve that says how far that holds.
 
@@ -35,6 +36,10 @@ pub struct RowsCurve {
     pub fork_joins: Vec<usize>,
     /// Weight bytes a forward reads, whatever its rows.
     pub weight_bytes: usize,
+    /// Bytes of the prompt's cached keys and values a forward reads (in the cache's type,
+    /// `--kv-dtype`).
+    #[serde(default)]
+    pub cache_bytes: usize,
     /// Multiply-accumulates per row of the weights.
     pub macs_per_row: usize,
     /// The run's best read rate (its threads together).
@@ -52,6 +57,13 @@ impl RowsCurve {
         let prefix = CURVE_PREFIX.min(positions.saturating_sub(largest + 1));
         let profile = LatencyProfile::measure_rows(target, prefix, REPS, &CURVE_ROWS)?;
         let model = &target.model;
+        let config = model.config();
+        let cache_bytes = prefix
+            * config.num_hidden_layers
+            * 2
+            * config.num_key_value_heads
+            * config.head_dim
+            * target.kv_kind.elt_size_in_bytes();
         let macs_per_row = model
             .decode_step_matrices()
             .map(|m| m.shape().iter().product::<i64>() as usize)
@@ -66,6 +78,7 @@ impl RowsCurve {
             seconds: profile.seconds,
             fork_joins: profile.fork_joins,
             weight_bytes: host.decode_step_bytes,
+            cache_bytes,
             macs_per_row,
             read_bytes_per_s: host.read_bytes_per_s,
             int8_macs_per_s,
@@ -77,7 +90,7 @@ impl RowsCurve {
         let macs = (rows * self.macs_per_row) as f64;
         let mac_rate = self.int8_macs_per_s.unwrap_or(f64::INFINITY);
         roofline_seconds(
-            self.weight_bytes as f64,
+            (self.weight_bytes + self.cache_bytes) as f64,
             macs,
             self.read_bytes_per_s,
             mac_rate,
@@ -88,17 +101,19 @@ impl RowsCurve {
     pub fn markdown(&self) -> String {
         let roof = match self.int8_macs_per_s {
             Some(rate) => format!(
-                "the slower of reading {:.1} MB of weights at {:.1} GB/s and {:.1} M int8 MACs a \
-                 row at {:.0} G/s",
+                "the slower of reading {:.1} MB of weights and {:.1} MB of cached keys and values \
+                 at {:.1} GB/s and {:.1} M int8 MACs a row at {:.0} G/s",
                 self.weight_bytes as f64 / 1e6,
+                self.cache_bytes as f64 / 1e6,
                 self.read_bytes_per_s / 1e9,
                 self.macs_per_row as f64 / 1e6,
                 rate / 1e9
             ),
             None => format!(
-                "reading {:.1} MB of weights at {:.1} GB/s (no compute roof measured for dense \
-                 weights)",
+                "reading {:.1} MB of weights and {:.1} MB of cached keys and values at {:.1} GB/s \
+                 (no compute roof measured for dense weights)",
                 self.weight_bytes as f64 / 1e6,
+                self.cache_bytes as f64 / 1e6,
                 self.read_bytes_per_s / 1e9
             ),
         };
@@ -134,14 +149,15 @@ mod tests {
             rows: vec![1, 2, 64],
             seconds: vec![0.004, 0.005, 0.040],
             fork_joins: vec![151, 151, 151],
-            weight_bytes: 100_000_000,
+            weight_bytes: 90_000_000,
+            cache_bytes: 10_000_000,
             macs_per_row: 100_000_000,
             read_bytes_per_s: 50e9,
             int8_macs_per_s,
         }
     }
 
-    /// One row is bound by the read (2 ms), 64 rows by the MACs (6.4e9 at 400 G/s: 16 ms); with no
+    /// One row is bound by the read of weights and cache (2 ms), 64 rows by the MACs (6.4e9 at 400 G/s: 16 ms); with no
     /// compute roof, every row count by the read alone.
     #[test]
     fn the_roof_is_the_read_until_the_multiplies_take_longer() {

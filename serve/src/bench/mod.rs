@@ -250,6 +250,7 @@ fn settings(
         "device": format!("{:?}", target.device),
         "dtype": format!("{:?}", target.weight_kind),
         "activation_dtype": format!("{:?}", target.kind),
+        "kv_dtype": format!("{:?}", target.kv_kind),
         "threads": target.cpu.count(),
         "questions": questions.len(),
         "turns": args.turns,
