@@ -115,6 +115,18 @@ impl LatencyProfile {
         Ok(profile)
     }
 
+    /// One line: each measured row count's forward time and its multiple of one row's.
+    pub fn describe(&self) -> String {
+        let one = self.seconds.first().copied().unwrap_or(f64::NAN);
+        let points: Vec<String> = self
+            .tokens
+            .iter()
+            .zip(&self.seconds)
+            .map(|(n, s)| format!("{n}: {:.2} ms ({:.2}×)", s * 1e3, s / one))
+            .collect();
+        format!("  verified rows → forward time: {}\n", points.join(", "))
+    }
+
     /// Seconds for `n` new tokens (linear between measured sizes).
     pub fn at(&self, n: usize) -> f64 {
         let i = self.tokens.partition_point(|&t| t < n);
@@ -141,13 +153,16 @@ pub struct Prediction {
     pub tokens_per_s: f64,
 }
 
-/// What tuning predicted for the tree it chose, for the next best and for plain decoding.
+/// What tuning predicted for the tree it chose, for the next best and for plain decoding, and
+/// the rows curve it predicted from.
 #[derive(Debug, Clone)]
 pub struct Tuning {
     pub best: Prediction,
     pub ar_tokens_per_s: f64,
     /// The best few, best first.
     pub ranking: Vec<Prediction>,
+    /// The target's forward time by verified rows, measured on this host before tuning.
+    pub latency: LatencyProfile,
 }
 
 impl Tuning {
@@ -172,6 +187,7 @@ impl Tuning {
                 p.tokens_per_s / self.ar_tokens_per_s
             ));
         }
+        out.push_str(&self.latency.describe());
         out
     }
 }
@@ -339,6 +355,7 @@ fn finish<T>(mut options: Vec<(Prediction, T)>, latency: &LatencyProfile) -> (T,
         best: ranking[0].clone(),
         ar_tokens_per_s: 1.0 / latency.at(1),
         ranking,
+        latency: latency.clone(),
     };
     (best, tuning)
 }
@@ -498,6 +515,20 @@ mod tests {
 
     fn decode() -> CpuPolicy {
         CpuThreads::new(2).decode()
+    }
+
+    #[test]
+    fn the_rows_curve_is_described_as_multiples_of_one_row() {
+        let profile = LatencyProfile {
+            tokens: vec![1, 2, 64],
+            seconds: vec![0.004, 0.005, 0.04],
+            fork_joins: vec![151; 3],
+        };
+        assert_eq!(
+            profile.describe(),
+            "  verified rows → forward time: 1: 4.00 ms (1.00×), 2: 5.00 ms (1.25×), 64: 40.00 ms \
+             (10.00×)\n"
+        );
     }
 
     #[test]
