@@ -64,6 +64,16 @@ impl KvCache {
         })
     }
 
+    /// Bytes one position takes in a cache of `config`'s layers whose keys and values are stored
+    /// in `kind`: what a forward reads per cached position.
+    pub fn bytes_per_position(config: &ModelConfig, kind: Kind) -> usize {
+        config.num_hidden_layers
+            * 2
+            * config.num_key_value_heads
+            * config.head_dim
+            * kind.elt_size_in_bytes()
+    }
+
     /// Number of cached positions.
     pub fn len(&self) -> usize {
         self.len

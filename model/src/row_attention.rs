@@ -40,9 +40,9 @@ pub enum KeyMask<'a> {
 /// Whether [`attend`] runs these tensors: f32 or bf16 queries and f32, f16 or bf16 keys (a KV
 /// cache's `--kv-dtype`) on the CPU without gradients, on a CPU the row kernel runs on, at most
 /// [`ROW_KERNEL_MAX_ROWS`] new tokens (decoding and verification, as for linear layers); elsewhere
-/// libtorch's attention serves. A longer prefill is computed alike
-/// in plain and speculative decoding, and libtorch's blocked kernel is faster there (a 1,334-token
-/// prompt of SmolLM2: 4.4–4.7 s against 6.6–6.8 s here).
+/// libtorch's attention serves. A longer prefill is computed alike in plain and speculative
+/// decoding, and libtorch's blocked kernel is faster there (a 1,334-token prompt of SmolLM2:
+/// 4.4–4.7 s against 6.6–6.8 s here).
 pub fn applies(queries: &Tensor, keys: &Tensor) -> bool {
     row_kernel::available()
         && queries.dim() == 4

@@ -1,14 +1,14 @@
 //! What verifying more rows costs: the target's forward time for 1–16, 24, 32 and 64 new tokens
 //! after a prompt, each as a multiple of one row's, beside the roof the host sets — reading the
 //! step's weights and the prompt's keys and values at the rate the run measured, and (for
-//! quantised weights) their int8
-//! multiply-accumulates at the rate the kernel's instruction reaches on this host. Speculative
-//! decoding pays only while k rows cost about one: this is the curve that says how far that holds.
+//! quantised weights) their int8 multiply-accumulates at the rate the kernel's instruction reaches
+//! on this host. Speculative decoding pays only while k rows cost about one: this is the curve
+//! that says how far that holds.
 
 use headway_engine::autotune::LatencyProfile;
 use headway_model::quant_kernel::{detected_isa, int8_mac_rate};
 use headway_model::roof::roofline_seconds;
-use headway_model::Target;
+use headway_model::{KvCache, Target};
 use serde::{Deserialize, Serialize};
 
 use super::HostFigures;
@@ -57,13 +57,7 @@ impl RowsCurve {
         let prefix = CURVE_PREFIX.min(positions.saturating_sub(largest + 1));
         let profile = LatencyProfile::measure_rows(target, prefix, REPS, &CURVE_ROWS)?;
         let model = &target.model;
-        let config = model.config();
-        let cache_bytes = prefix
-            * config.num_hidden_layers
-            * 2
-            * config.num_key_value_heads
-            * config.head_dim
-            * target.kv_kind.elt_size_in_bytes();
+        let cache_bytes = prefix * KvCache::bytes_per_position(model.config(), target.kv_kind);
         let macs_per_row = model
             .decode_step_matrices()
             .map(|m| m.shape().iter().product::<i64>() as usize)
