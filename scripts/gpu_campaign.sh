@@ -63,8 +63,9 @@ fi
 
 max_seqs() { [[ $1 == all ]] || echo "--max-seqs $1"; }
 
-# The target's greedy replies (f32: the replies serving will see) to the first turn of each
-# conversation. Its features are not the ones trained on (see below), so they are dropped.
+# The target's greedy replies to the first turn of each conversation, as a journal of replies
+# (`{"id", "replies"}` lines: the rest of each conversation is ShareGPT's). Its features are not
+# the ones trained on (see below), so they are dropped.
 regenerate() {
     step "replies: $convs conversations, $reply_tokens new tokens each, batches of $regen_batch on $device"
     # shellcheck disable=SC2046
@@ -72,30 +73,21 @@ regenerate() {
         --regenerate --regen-turns 1 --regen-max-new-tokens "$reply_tokens" \
         --regen-batch "$regen_batch" --device "$device" --out "$work/regen" \
         --json "$work/regen.json"
-    "${PYTHON:-python3}" - "$work/regen/regenerated.jsonl" "$work/replies.jsonl" <<'EOF'
-import json, os, sys
-kept = 0
-with open(sys.argv[2] + ".tmp", "w") as out:
-    for line in open(sys.argv[1]):
-        messages = json.loads(line)["messages"]
-        if messages:
-            out.write(json.dumps({"messages": messages}, ensure_ascii=False) + "\n")
-            kept += 1
-os.replace(sys.argv[2] + ".tmp", sys.argv[2])
-print(f"{kept} conversations with replies")
-EOF
+    cp "$work/regen/regenerated.jsonl" "$work/replies.jsonl.tmp"
+    mv "$work/replies.jsonl.tmp" "$work/replies.jsonl"
     rm -f "$work/regen"/*.safetensors
 }
 once replies regenerate
 
-# Every slice's features come from replies.jsonl with the same held-out fraction, and the held-out
+# Every slice's features come from ShareGPT with replies.jsonl's replies (`--replies`: the first n
+# conversations it records, in corpus order) with the same held-out fraction, and the held-out
 # split is a hash of each conversation's id: a conversation held out of the whole is held out of
 # every slice, so all heads are evaluated on the whole's held-out split without having seen it.
 features() {
     local n=$1
     step "features: $n conversations, taps $taps"
     # shellcheck disable=SC2046
-    "$bin/headway-train" prepare --data "$work/replies.jsonl" --format jsonl-chat $(max_seqs "$n") \
+    "$bin/headway-train" prepare --data sharegpt --replies "$work/replies.jsonl" $(max_seqs "$n") \
         --max-len "$max_len" --held-out "$held_out" --layers "$taps" --device "$device" \
         --out "$work/features-$n" --json "$work/features-$n.json"
 }

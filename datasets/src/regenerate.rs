@@ -10,10 +10,14 @@
 //! seeded per conversation (from the seed and the conversation's id and content), so a resumed
 //! run regenerates exactly what an uninterrupted one would.
 //!
-//! Progress is a journal, one JSONL-chat line per finished conversation in generation order,
-//! appended and flushed a chunk at a time; a killed run resumes after the last whole chunk (a torn chunk is cut off).
-//! The journal is itself a JSONL chat corpus.
+//! Progress is a journal, one line per finished conversation in generation order, appended and
+//! flushed a chunk at a time; a killed run resumes after the last whole chunk (a torn chunk is
+//! cut off). A line records only the conversation's id and its replies (`{"id": …, "replies":
+//! […]}`): the rest is the corpus's, so [`replay_journal`] rebuilds the regenerated
+//! conversations from the corpus and a journal made elsewhere (a GPU, an earlier session), at a
+//! fifth of the bytes a line of whole conversations took.
 
+use std::collections::HashMap;
 use std::io::Write;
 use std::path::Path;
 
@@ -25,16 +29,11 @@ use crate::error::{DatasetError, Result};
 use crate::features::manifest::RegenerateSettings;
 use headway_model::hash::{fnv1a64, mix64};
 
+/// One regenerated conversation: its corpus id and the target's replies, in order.
 #[derive(Serialize, Deserialize)]
 struct JournalLine {
     id: String,
-    messages: Vec<JournalMessage>,
-}
-
-#[derive(Serialize, Deserialize)]
-struct JournalMessage {
-    role: String,
-    content: String,
+    replies: Vec<String>,
 }
 
 /// Regenerates the assistant turns of `conversations` with `target`, resuming from `journal`.
@@ -197,13 +196,11 @@ fn read_journal(
 fn to_line(conversation: &Conversation) -> JournalLine {
     JournalLine {
         id: conversation.id.clone(),
-        messages: conversation
+        replies: conversation
             .turns
             .iter()
-            .map(|t| JournalMessage {
-                role: t.role.as_str().to_string(),
-                content: t.content.clone(),
-            })
+            .filter(|t| t.role == Role::Assistant)
+            .map(|t| t.content.clone())
             .collect(),
     }
 }
@@ -214,25 +211,77 @@ fn from_line(
     journal: &Path,
     number: usize,
 ) -> Result<Conversation> {
-    let turns = line
-        .messages
-        .into_iter()
-        .map(|m| {
-            Role::from_corpus_name(&m.role)
-                .map(|role| Turn::new(role, m.content))
-                .ok_or_else(|| {
-                    DatasetError::format(
-                        journal,
-                        format!("line {number}: unknown role {:?}", m.role),
-                    )
-                })
-        })
-        .collect::<Result<Vec<_>>>()?;
-    Ok(Conversation {
-        id: line.id,
-        turns,
-        split_group: original.split_group.clone(),
+    replay(original, line.replies).ok_or_else(|| {
+        DatasetError::format(
+            journal,
+            format!(
+                "line {number} records more replies than conversation {:?} asks for: the \
+                 journal belongs to another corpus",
+                original.id
+            ),
+        )
     })
+}
+
+/// `original` as regeneration leaves it when the target replied `replies`; `None` when it asks
+/// for fewer replies.
+fn replay(original: &Conversation, replies: Vec<String>) -> Option<Conversation> {
+    let mut state = InProgress::new(original, Sampler::new(SamplingParams::default()));
+    for reply in replies {
+        state.next_prompt(None)?;
+        state.answer(reply);
+    }
+    Some(state.into_conversation())
+}
+
+/// The conversations a regeneration journal (`OUT/regenerated.jsonl` of a `prepare
+/// --regenerate` run, finished or not) recorded, rebuilt from `conversations` (the same corpus)
+/// and its replies, in corpus order. A line whose conversation `conversations` lacks, or an id
+/// recorded twice, is an error: the journal belongs to another corpus.
+pub fn replay_journal(
+    conversations: Vec<Conversation>,
+    journal: &Path,
+) -> Result<Vec<Conversation>> {
+    let text = std::fs::read_to_string(journal).map_err(|e| DatasetError::io(journal, e))?;
+    let mut recorded: HashMap<String, (usize, Vec<String>)> = HashMap::new();
+    for (i, line) in text.lines().enumerate() {
+        let line: JournalLine =
+            serde_json::from_str(line).map_err(|source| DatasetError::Line {
+                path: journal.to_path_buf(),
+                line: i + 1,
+                source,
+            })?;
+        if let Some((first, _)) = recorded.insert(line.id.clone(), (i + 1, line.replies)) {
+            return Err(DatasetError::format(
+                journal,
+                format!(
+                    "lines {first} and {} both record conversation {:?}",
+                    i + 1,
+                    line.id
+                ),
+            ));
+        }
+    }
+    let mut replayed = Vec::with_capacity(recorded.len());
+    for conversation in &conversations {
+        if let Some((number, replies)) = recorded.remove(&conversation.id) {
+            let line = JournalLine {
+                id: conversation.id.clone(),
+                replies,
+            };
+            replayed.push(from_line(line, conversation, journal, number)?);
+        }
+    }
+    if let Some((id, (number, _))) = recorded.iter().min_by_key(|(_, (number, _))| *number) {
+        return Err(DatasetError::format(
+            journal,
+            format!(
+                "line {number} records conversation {id:?}, which the corpus does not hold (after \
+                 deduplication): the journal belongs to another corpus"
+            ),
+        ));
+    }
+    Ok(replayed)
 }
 
 /// A conversation being regenerated: the turns so far, where it is in the original, and its own
@@ -247,7 +296,42 @@ struct InProgress<'a> {
     sampler: Sampler,
 }
 
-impl InProgress<'_> {
+impl<'a> InProgress<'a> {
+    fn new(original: &'a Conversation, sampler: Sampler) -> Self {
+        Self {
+            original,
+            turns: Vec::new(),
+            next_turn: 0,
+            replies: 0,
+            new_tokens: 0,
+            finished: false,
+            sampler,
+        }
+    }
+
+    /// Takes `reply` as the answer to the prompt [`Self::next_prompt`] returned.
+    fn answer(&mut self, reply: String) {
+        self.turns.push(Turn::new(Role::Assistant, reply));
+        self.next_turn += 1;
+        self.replies += 1;
+    }
+
+    /// The conversation so far, ending at its last reply: turns after it would only add tokens
+    /// that nothing trains on (and a journal line, which records replies, could not restore them).
+    fn into_conversation(self) -> Conversation {
+        let mut turns = self.turns;
+        let end = turns
+            .iter()
+            .rposition(|t| t.role == Role::Assistant)
+            .map_or(0, |last| last + 1);
+        turns.truncate(end);
+        Conversation {
+            id: self.original.id.clone(),
+            turns,
+            split_group: self.original.split_group.clone(),
+        }
+    }
+
     /// Copies the turns before the next assistant turn; returns the prompt for that turn, or
     /// `None` (and finishes) when there is none left to regenerate.
     fn next_prompt(&mut self, max_turns: Option<usize>) -> Option<Vec<Message>> {
@@ -288,15 +372,7 @@ fn regenerate_chunk(
     let context = target.model.config().max_position_embeddings.min(max_len);
     let mut states: Vec<InProgress> = chunk
         .iter()
-        .map(|&original| InProgress {
-            original,
-            turns: Vec::new(),
-            next_turn: 0,
-            replies: 0,
-            new_tokens: 0,
-            finished: false,
-            sampler: Sampler::new(sampling(settings, original)),
-        })
+        .map(|&original| InProgress::new(original, Sampler::new(sampling(settings, original))))
         .collect();
     loop {
         let mut asking = Vec::new();
@@ -333,20 +409,14 @@ fn regenerate_chunk(
                 state.finished = true;
                 continue;
             }
-            state.turns.push(Turn::new(Role::Assistant, reply.text));
-            state.next_turn += 1;
-            state.replies += 1;
+            state.answer(reply.text);
         }
     }
     Ok(states
         .into_iter()
         .map(|state| {
-            let conversation = Conversation {
-                id: state.original.id.clone(),
-                turns: state.turns,
-                split_group: state.original.split_group.clone(),
-            };
-            (conversation, state.new_tokens)
+            let new_tokens = state.new_tokens;
+            (state.into_conversation(), new_tokens)
         })
         .collect())
 }
@@ -363,6 +433,37 @@ fn sampling(settings: &RegenerateSettings, conversation: &Conversation) -> Sampl
 mod tests {
     use super::*;
     use crate::conversation::tests::conv;
+
+    /// Replaying recorded replies rebuilds what regeneration left: the corpus's turns with its
+    /// replies replaced, a leading reply to nothing skipped, nothing after the last reply.
+    #[test]
+    fn replay_puts_recorded_replies_where_the_corpus_had_its_own() {
+        use Role::{Assistant as A, System as S, User as U};
+        let replies = |r: &[&str]| r.iter().map(|s| s.to_string()).collect::<Vec<_>>();
+        let chat = conv(
+            "c",
+            &[
+                (A, "a reply to nothing"),
+                (S, "be brief"),
+                (U, "hi"),
+                (A, "hello"),
+                (U, "and?"),
+            ],
+        );
+        let replayed = replay(&chat, replies(&["hey"])).unwrap();
+        assert_eq!(
+            replayed,
+            conv("c", &[(S, "be brief"), (U, "hi"), (A, "hey")])
+        );
+        let two = conv("d", &[(U, "hi"), (A, "hello"), (U, "more"), (A, "fine")]);
+        let replayed = replay(&two, replies(&["x", "y"])).unwrap();
+        assert_eq!(
+            replayed,
+            conv("d", &[(U, "hi"), (A, "x"), (U, "more"), (A, "y")])
+        );
+        assert_eq!(replay(&two, replies(&[])).unwrap(), conv("d", &[]));
+        assert!(replay(&two, replies(&["x", "y", "z"])).is_none());
+    }
 
     #[test]
     fn regeneration_dedupes_by_what_the_target_is_asked() {

@@ -52,6 +52,7 @@ fn options(data: &Path, out: &Path) -> PrepareOptions {
             shard_tokens: 250,
             batch_tokens: 200,
         },
+        replies: None,
         slice: None,
         command: vec!["test".into()],
     }
@@ -480,19 +481,22 @@ fn regeneration_uses_the_targets_own_replies_and_resumes_after_a_torn_line() {
         .map(|l| serde_json::from_str(l).unwrap())
         .collect();
     assert_eq!(lines.len(), 3);
-    // The first regenerated reply is what greedy generation gives for its prompt.
-    let has_reply = |m: &&serde_json::Value| {
-        m.as_array()
-            .unwrap()
-            .iter()
-            .any(|t| t["role"] == "assistant")
-    };
+    // The first regenerated reply is what greedy generation gives for its prompt: the corpus's
+    // turns before its first reply.
     let first = lines
         .iter()
-        .map(|l| &l["messages"])
-        .find(has_reply)
+        .find(|l| !l["replies"].as_array().unwrap().is_empty())
         .expect("a conversation with a regenerated reply");
-    let prompt: Vec<Message> = first
+    let corpus: Vec<serde_json::Value> = std::fs::read_to_string(&f.data)
+        .unwrap()
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    let asked = corpus
+        .iter()
+        .find(|c| c["id"] == first["id"])
+        .expect("the journal names a corpus conversation");
+    let prompt: Vec<Message> = asked["messages"]
         .as_array()
         .unwrap()
         .iter()
@@ -502,13 +506,7 @@ fn regeneration_uses_the_targets_own_replies_and_resumes_after_a_torn_line() {
     let ids = f.target.chat_prompt_ids(&prompt).unwrap();
     let mut sampler = Sampler::new(SamplingParams::default());
     let reply = generate(&f.target, &ids, 12, &mut sampler, &mut |_| {}).unwrap();
-    let stored = first
-        .as_array()
-        .unwrap()
-        .iter()
-        .find(|m| m["role"] == "assistant")
-        .unwrap();
-    assert_eq!(stored["content"].as_str().unwrap(), reply.text);
+    assert_eq!(first["replies"][0].as_str().unwrap(), reply.text);
     assert!(
         !reply.text.starts_with("Answer"),
         "the corpus reply was kept"
@@ -531,6 +529,78 @@ fn regeneration_uses_the_targets_own_replies_and_resumes_after_a_torn_line() {
     assert!(
         shard_files(&out) == shards,
         "regenerated shards differ after the resume"
+    );
+}
+
+/// A journal made by one run (here a regeneration of every turn) replayed by another with
+/// `--replies` gives the regenerating run's shards byte for byte; a selection of it takes the
+/// first conversations in corpus order; a journal of another corpus is refused by line.
+#[test]
+fn a_journal_of_replies_replays_the_regeneration_it_recorded() {
+    let f = fixture();
+    let regenerated = f.root.join("regenerated");
+    let mut opts = options(&f.data, &regenerated);
+    opts.settings.regenerate = Some(RegenerateSettings {
+        sampling: SamplingParams::default(),
+        max_new_tokens: 10,
+        batch: 4,
+        max_turns: None,
+    });
+    prepare(&f.target, &opts, &mut Quiet).unwrap();
+    let journal = f.root.join("journal.jsonl");
+    std::fs::copy(regenerated.join("regenerated.jsonl"), &journal).unwrap();
+    let text = std::fs::read_to_string(&journal).unwrap();
+    assert!(
+        text.contains(r#"","replies":[""#) && !text.contains("Answer"),
+        "the journal records the target's replies: {text}"
+    );
+
+    let replayed = f.root.join("replayed");
+    let replay = PrepareOptions {
+        replies: Some(journal.clone()),
+        ..options(&f.data, &replayed)
+    };
+    let summary = prepare(&f.target, &replay, &mut Quiet).unwrap();
+    assert_eq!(shard_files(&replayed), shard_files(&regenerated));
+    let recorded = summary.manifest.settings.replies.as_ref().unwrap();
+    assert_eq!(recorded.format, "regeneration-journal");
+
+    let mut first_five = PrepareOptions {
+        replies: Some(journal.clone()),
+        ..options(&f.data, &f.root.join("five"))
+    };
+    first_five.settings.max_seqs = Some(5);
+    let summary = prepare(&f.target, &first_five, &mut Quiet).unwrap();
+    assert_eq!(summary.manifest.counts.conversations_used, 5);
+
+    let foreign = f.root.join("foreign.jsonl");
+    std::fs::write(
+        &foreign,
+        format!("{}{{\"id\":\"chat-99\",\"replies\":[\"hi\"]}}\n", text),
+    )
+    .unwrap();
+    let err = PrepareOptions {
+        replies: Some(foreign),
+        ..options(&f.data, &f.root.join("foreign"))
+    };
+    let err = prepare(&f.target, &err, &mut Quiet)
+        .err()
+        .unwrap()
+        .to_string();
+    assert!(err.contains("line 13") && err.contains("chat-99"), "{err}");
+    let too_many = f.root.join("too_many.jsonl");
+    std::fs::write(&too_many, "{\"id\":\"chat-1\",\"replies\":[\"a\",\"b\"]}\n").unwrap();
+    let err = PrepareOptions {
+        replies: Some(too_many),
+        ..options(&f.data, &f.root.join("too_many"))
+    };
+    let err = prepare(&f.target, &err, &mut Quiet)
+        .err()
+        .unwrap()
+        .to_string();
+    assert!(
+        err.contains("more replies") && err.contains("chat-1"),
+        "{err}"
     );
 }
 

@@ -1,5 +1,5 @@
 //! What ships and travels: the committed heads in Q8_0 storage, the tracked tree small enough for a
-//! device call, and the GPU campaign's CPU dry run (issue 48's first step).
+//! device call, the GPU campaign's CPU dry run (issue 48's first step) and the CPU campaign's pieces.
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -135,4 +135,81 @@ fn the_campaign_dry_run_passes_on_the_cpu() {
         let size = part.unwrap().metadata().unwrap().len();
         assert!(size <= 16 * 1024 * 1024, "a returned file of {size} bytes");
     }
+}
+
+/// `scripts/cpu_campaign.sh` at toy sizes: a `replies` piece regenerates every reply and writes
+/// the journal to its state; a `train` piece on a fresh scratch directory (another machine) takes
+/// the journal back, sets the evaluation aside, trains the head further and logs both pieces; a
+/// second `replies` piece finds nothing left to do.
+#[test]
+fn the_cpu_campaign_pieces_resume_from_the_committed_state() {
+    let dir = tempfile::tempdir().unwrap();
+    let (state, head) = (dir.path().join("state"), dir.path().join("head"));
+    let shipped = repository().join("pretrained/smollm2-135m-eagle3");
+    std::fs::create_dir(&head).unwrap();
+    for file in ["config.json", "model.safetensors"] {
+        std::fs::copy(shipped.join(file), head.join(file)).unwrap();
+    }
+    let bin = binary("headway-train");
+    let piece = |name: &str, work: &str| {
+        let output = Command::new("bash")
+            .arg(repository().join("scripts/cpu_campaign.sh"))
+            .arg(name)
+            .current_dir(repository())
+            .env("STATE", &state)
+            .env("HEAD", &head)
+            .env("WORK", dir.path().join(work))
+            .env("BIN", bin.parent().unwrap())
+            .env("GGUF", headway_model::testing::real_gguf_path())
+            .envs([
+                ("MAX_SEQS", "24"),
+                ("REPLY_TOKENS", "12"),
+                ("CHUNK", "8"),
+                ("EVAL", "4"),
+                ("HELD_OUT", "0.3"),
+                ("MINUTES", "5"),
+            ])
+            .env_remove("LD_LIBRARY_PATH")
+            .output()
+            .expect("running bash");
+        assert!(
+            output.status.success(),
+            "{name}: {}\n{}",
+            stdout(&output),
+            stderr(&output)
+        );
+        stdout(&output)
+    };
+    let replies = piece("replies", "work-a");
+    assert!(
+        replies.contains("24 of 24 conversations (24 in this piece)"),
+        "{replies}"
+    );
+    let trained = piece("train", "work-b");
+    assert!(
+        trained.contains("trained on 8 conversations of pass 1"),
+        "{trained}"
+    );
+    let again = piece("replies", "work-b");
+    assert!(
+        again.contains("24 of 24 conversations (0 in this piece)"),
+        "{again}"
+    );
+    let read = |file: &str| std::fs::read_to_string(state.join(file)).unwrap();
+    assert_eq!(read("replies-total.txt").trim(), "24");
+    assert_eq!(read("eval-ids.txt").lines().count(), 4);
+    assert_eq!(read("trained-ids.txt").lines().count(), 8);
+    let log = read("pieces.md");
+    assert_eq!(
+        log.lines().filter(|l| l.contains("| replies |")).count(),
+        2,
+        "{log}"
+    );
+    assert_eq!(
+        log.lines().filter(|l| l.contains("| train |")).count(),
+        1,
+        "{log}"
+    );
+    let config = std::fs::read_to_string(head.join("config.json")).unwrap();
+    assert!(config.contains("\"weight_storage\": \"q8_0\""), "{config}");
 }

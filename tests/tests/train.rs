@@ -101,6 +101,69 @@ fn a_resumed_run_ends_with_the_same_weights_as_an_uninterrupted_one() {
     );
 }
 
+/// `--init` trains a head further from a checkpoint's weights: at learning rate 0 its six steps
+/// leave them as they were (a fresh head's would differ: the checkpoint trained six steps at
+/// 1e-3); a head of another kind or draft vocabulary is refused by name.
+#[test]
+fn a_head_trained_further_starts_from_its_checkpoints_weights() {
+    let dir = tempfile::tempdir().unwrap();
+    let root = dir.path();
+    features(root);
+    let weights = |dir: &Path| std::fs::read(dir.join("step-00000006/model.safetensors")).unwrap();
+    for (head, extra) in [
+        ("eagle", &["--taps", "1"][..]),
+        ("medusa", &["--heads", "2", "--draft-vocab", "64"][..]),
+        (
+            "eagle3",
+            &["--taps", "1", "--ttt", "2", "--draft-vocab", "64"][..],
+        ),
+    ] {
+        let first = root.join(format!("{head}-first"));
+        let out = headway_train(
+            &as_strs(&train_args(head, root, first.to_str().unwrap(), extra)),
+            None,
+        );
+        assert!(out.status.success(), "{head}: {}", stderr(&out));
+        let further = root.join(format!("{head}-further"));
+        let mut init = extra.to_vec();
+        init.extend(["--init", first.to_str().unwrap()]);
+        let mut args = train_args(head, root, further.to_str().unwrap(), &init);
+        let lr = args.iter().position(|a| a == "--lr").unwrap();
+        args[lr + 1] = "0".into();
+        let out = headway_train(&as_strs(&args), None);
+        assert!(out.status.success(), "{head} --init: {}", stderr(&out));
+        assert!(stderr(&out).contains("starting from"), "{}", stderr(&out));
+        assert!(
+            weights(&first) == weights(&further),
+            "{head}: --init did not start from the checkpoint's weights"
+        );
+    }
+    let refused = |head: &str, extra: &[&str], wanted: &str| {
+        let out = root.join(format!("{head}-refused"));
+        let args = train_args(head, root, out.to_str().unwrap(), extra);
+        let run = headway_train(&as_strs(&args), None);
+        assert!(!run.status.success(), "{head} {extra:?} was accepted");
+        assert!(stderr(&run).contains(wanted), "{}", stderr(&run));
+    };
+    let medusa = root.join("medusa-first");
+    let eagle3 = root.join("eagle3-first");
+    refused(
+        "eagle3",
+        &["--taps", "1", "--init", medusa.to_str().unwrap()],
+        "a medusa head, and this command trains eagle3",
+    );
+    refused(
+        "eagle3",
+        &["--draft-vocab", "32", "--init", eagle3.to_str().unwrap()],
+        "--draft-vocab 32: the head --init names drafts over 64 tokens",
+    );
+    refused(
+        "eagle3",
+        &["--taps", "0", "--init", eagle3.to_str().unwrap()],
+        "--taps [0]: the head --init names fuses taps [1]",
+    );
+}
+
 #[test]
 fn bf16_training_keeps_f32_weights_and_computes_differently_from_f32() {
     let dir = tempfile::tempdir().unwrap();

@@ -72,6 +72,12 @@ pub struct TrainArgs {
     /// Continue from the latest checkpoint in --out (same options required).
     #[arg(long)]
     resume: bool,
+    /// Start from this head's weights (a checkpoint, or a training directory's latest) instead
+    /// of a fresh initialisation, with a fresh optimizer and schedule: to train a shipped head
+    /// further on new data. Its shape (layers, taps, draft vocabulary, …) is the checkpoint's;
+    /// options that would change it are refused, those with defaults are not read.
+    #[arg(long, value_name = "CHECKPOINT", conflicts_with = "resume")]
+    init: Option<PathBuf>,
     /// Draft over the N most frequent target tokens of the training data instead of the whole
     /// vocabulary (a smaller LM-head product per draft step).
     #[arg(long)]
@@ -275,6 +281,46 @@ fn lm_head_rows(target: &Target, draft: Option<&DraftVocab>) -> Tensor {
     DraftVocab::lm_head_rows(draft, target.model.lm_head.weight())
 }
 
+/// The head `--init` names, loaded on `setup`'s target to be trained further: its modules, draft
+/// vocabulary and shape, refused unless it is a `kind` head with the draft vocabulary
+/// `--draft-vocab` asks for (when it asks).
+fn initial_head(
+    setup: &Setup,
+    args: &TrainArgs,
+    kind: &str,
+) -> anyhow::Result<Option<(DraftHead, Option<DraftVocab>, HeadKind)>> {
+    let Some(dir) = &args.init else {
+        return Ok(None);
+    };
+    let loaded =
+        load_head(dir, &setup.target).with_context(|| format!("--init {}", dir.display()))?;
+    let name = loaded.head.name();
+    anyhow::ensure!(
+        name == kind,
+        "--init {}: a {name} head, and this command trains {kind}",
+        dir.display()
+    );
+    let size = loaded.draft_vocab.as_ref().map(DraftVocab::len);
+    if let Some(asked) = args.draft_vocab.filter(|&asked| Some(asked) != size) {
+        anyhow::bail!(
+            "--draft-vocab {asked}: the head --init names drafts over {}",
+            size.map_or("the whole vocabulary".to_string(), |n| format!(
+                "{n} tokens"
+            ))
+        );
+    }
+    eprintln!(
+        "starting from {} (step {} of its own training)",
+        loaded.checkpoint.dir.display(),
+        loaded.checkpoint.config.step
+    );
+    Ok(Some((
+        loaded.head,
+        loaded.draft_vocab,
+        loaded.checkpoint.config.head,
+    )))
+}
+
 fn settings(
     args: &TrainArgs,
     features: &FeatureSet,
@@ -426,17 +472,24 @@ fn write_figures(path: &Path, figures: &serde_json::Value) -> anyhow::Result<()>
 
 pub fn run_medusa(args: MedusaArgs, hooks: &Hooks) -> anyhow::Result<()> {
     let setup = setup(&args.common.target_args(), &args.common.features)?;
-    let draft = draft_vocab(&setup, args.common.draft_vocab)?;
-    let lm_head = lm_head_rows(&setup.target, draft.as_ref());
-    let config = MedusaConfig {
-        num_heads: args.heads,
-        num_layers: args.layers,
-        hidden_size: setup.target.model.config().hidden_size,
-        vocab_size: lm_head.size()[0] as usize,
-        shared_lm_head: args.shared_lm_head,
+    let (heads, draft, config) = match initial_head(&setup, &args.common, "medusa")? {
+        Some((DraftHead::Medusa(heads), draft, HeadKind::Medusa(config))) => (heads, draft, config),
+        Some(_) => anyhow::bail!("--init: a Medusa checkpoint of another shape"),
+        None => {
+            let draft = draft_vocab(&setup, args.common.draft_vocab)?;
+            let lm_head = lm_head_rows(&setup.target, draft.as_ref());
+            let config = MedusaConfig {
+                num_heads: args.heads,
+                num_layers: args.layers,
+                hidden_size: setup.target.model.config().hidden_size,
+                vocab_size: lm_head.size()[0] as usize,
+                shared_lm_head: args.shared_lm_head,
+            };
+            (MedusaHeads::new(config.clone(), &lm_head)?, draft, config)
+        }
     };
     let mut objective = MedusaObjective::new(
-        MedusaHeads::new(config.clone(), &lm_head)?,
+        heads,
         args.decay,
         draft.clone(),
         setup.target.model.config().vocab_size,
@@ -454,9 +507,46 @@ pub fn run_medusa(args: MedusaArgs, hooks: &Hooks) -> anyhow::Result<()> {
 
 pub fn run_eagle(args: EagleArgs, hooks: &Hooks) -> anyhow::Result<()> {
     let setup = setup(&args.common.target_args(), &args.common.features)?;
+    let (head, draft, kind) = match initial_head(&setup, &args.common, "eagle")? {
+        Some((DraftHead::Eagle(head), draft, kind)) => {
+            if let HeadKind::Eagle { taps, .. } = &kind {
+                anyhow::ensure!(
+                    args.taps.is_empty() || &args.taps == taps,
+                    "--taps {:?}: the head --init names fuses taps {taps:?}",
+                    args.taps
+                );
+                tap_columns(&setup.features, taps)?;
+            }
+            (head, draft, kind)
+        }
+        Some(_) => anyhow::bail!("--init: an EAGLE checkpoint of another shape"),
+        None => fresh_eagle(&setup, &args)?,
+    };
+    let mut objective = EagleObjective::new(
+        head,
+        args.noise,
+        args.classification_weight,
+        usize::from(args.unroll),
+        setup.target.cpu.batch(),
+    );
+    train(
+        &setup,
+        &args.common,
+        &mut objective,
+        kind,
+        draft.as_ref(),
+        hooks,
+    )
+}
+
+/// A newly initialised EAGLE head of the shape `args` asks for.
+fn fresh_eagle(
+    setup: &Setup,
+    args: &EagleArgs,
+) -> anyhow::Result<(EagleHead, Option<DraftVocab>, HeadKind)> {
     // Before the draft-vocabulary count, which reads every shard.
     tap_columns(&setup.features, &args.taps)?;
-    let draft = draft_vocab(&setup, args.common.draft_vocab)?;
+    let draft = draft_vocab(setup, args.common.draft_vocab)?;
     tch::manual_seed(args.common.seed as i64);
     let layers = usize::from(args.layers);
     let trunk = &setup.target.model.model;
@@ -473,50 +563,31 @@ pub fn run_eagle(args: EagleArgs, hooks: &Hooks) -> anyhow::Result<()> {
         trunk.embed_tokens(),
         &lm_head_rows(&setup.target, draft.as_ref()),
     )?;
-    let mut objective = EagleObjective::new(
-        head,
-        args.noise,
-        args.classification_weight,
-        usize::from(args.unroll),
-        setup.target.cpu.batch(),
-    );
-    train(
-        &setup,
-        &args.common,
-        &mut objective,
-        HeadKind::Eagle {
-            layers,
-            taps: args.taps,
-            embed_scale,
-            fc_bias: args.fc_bias,
-        },
-        draft.as_ref(),
-        hooks,
-    )
+    let kind = HeadKind::Eagle {
+        layers,
+        taps: args.taps.clone(),
+        embed_scale,
+        fc_bias: args.fc_bias,
+    };
+    Ok((head, draft, kind))
 }
 
 pub fn run_eagle3(args: Eagle3Args, hooks: &Hooks) -> anyhow::Result<()> {
     let setup = setup(&args.common.target_args(), &args.common.features)?;
     let target = &setup.target;
-    let taps = match args.taps.is_empty() {
-        true => Eagle3Config::default_taps(target.model.config().num_hidden_layers),
-        false => args.taps.clone(),
+    let (head, draft, taps) = match initial_head(&setup, &args.common, "eagle3")? {
+        Some((DraftHead::Eagle3(head), Some(draft), HeadKind::Eagle3 { taps })) => {
+            anyhow::ensure!(
+                args.taps.is_empty() || args.taps == taps,
+                "--taps {:?}: the head --init names fuses taps {taps:?}",
+                args.taps
+            );
+            tap_columns(&setup.features, &taps)?;
+            (head, draft, taps)
+        }
+        Some(_) => anyhow::bail!("--init: an EAGLE-3 checkpoint of another shape"),
+        None => fresh_eagle3(&setup, &args)?,
     };
-    // Before the draft-vocabulary count, which reads every shard.
-    tap_columns(&setup.features, &taps)?;
-    let vocab = target.model.config().vocab_size;
-    let size = args
-        .common
-        .draft_vocab
-        .unwrap_or(EAGLE3_DRAFT_VOCAB.min(vocab));
-    let draft = draft_vocab(&setup, Some(size))?.expect("a size was given");
-    tch::manual_seed(args.common.seed as i64);
-    let config = Eagle3Config::for_target(target.model.config(), taps.clone(), draft.len());
-    let head = Eagle3Head::new(
-        config,
-        target.model.model.embed_tokens(),
-        &lm_head_rows(target, Some(&draft)),
-    )?;
     let mut objective = Eagle3Objective::new(
         head,
         &draft,
@@ -534,6 +605,34 @@ pub fn run_eagle3(args: Eagle3Args, hooks: &Hooks) -> anyhow::Result<()> {
         Some(&draft),
         hooks,
     )
+}
+
+/// A newly initialised EAGLE-3 head of the shape `args` asks for, and its taps.
+fn fresh_eagle3(
+    setup: &Setup,
+    args: &Eagle3Args,
+) -> anyhow::Result<(Eagle3Head, DraftVocab, Vec<usize>)> {
+    let target = &setup.target;
+    let taps = match args.taps.is_empty() {
+        true => Eagle3Config::default_taps(target.model.config().num_hidden_layers),
+        false => args.taps.clone(),
+    };
+    // Before the draft-vocabulary count, which reads every shard.
+    tap_columns(&setup.features, &taps)?;
+    let vocab = target.model.config().vocab_size;
+    let size = args
+        .common
+        .draft_vocab
+        .unwrap_or(EAGLE3_DRAFT_VOCAB.min(vocab));
+    let draft = draft_vocab(setup, Some(size))?.expect("a size was given");
+    tch::manual_seed(args.common.seed as i64);
+    let config = Eagle3Config::for_target(target.model.config(), taps.clone(), draft.len());
+    let head = Eagle3Head::new(
+        config,
+        target.model.model.embed_tokens(),
+        &lm_head_rows(target, Some(&draft)),
+    )?;
+    Ok((head, draft, taps))
 }
 
 pub fn run_eval(args: EvalArgs) -> anyhow::Result<()> {

@@ -59,6 +59,12 @@ pub struct PrepareArgs {
     regen: RegenerateSettings,
     #[command(flatten)]
     regen_sampling: RegenSamplingArgs,
+    /// Replace the corpus's replies with those of a regeneration made before (the
+    /// `regenerated.jsonl` of a `prepare --regenerate` run into another directory, finished or
+    /// not, e.g. on a GPU or in earlier sessions) and keep only the conversations it records, in
+    /// corpus order (`--max-seqs` then takes the first N of them).
+    #[arg(long, value_name = "JOURNAL", conflicts_with = "regenerate")]
+    replies: Option<PathBuf>,
     /// Also write this run's figures (counts, bytes, seconds, extraction tokens/s) to this JSON
     /// file (scripts/bench_prepare_torch.py compares them with PyTorch).
     #[arg(long)]
@@ -78,7 +84,7 @@ pub struct PrepareArgs {
     #[arg(
         long,
         value_name = "DIR",
-        conflicts_with_all = ["data", "format", "regenerate", "batch_tokens"]
+        conflicts_with_all = ["data", "format", "regenerate", "replies", "batch_tokens"]
     )]
     from: Option<PathBuf>,
 }
@@ -184,6 +190,7 @@ pub fn run_prepare(args: PrepareArgs, hooks: &Hooks) -> anyhow::Result<()> {
         format,
         out: args.out.clone(),
         settings: args.resolved_settings(target.device)?,
+        replies: args.replies.clone(),
         slice: args.shard,
         command: std::env::args().collect(),
     };

@@ -34,7 +34,7 @@ pub struct TargetInfo {
     pub end_of_turn: String,
 }
 
-/// The corpus file the sequences came from.
+/// An input file the sequences came from: the corpus, or a journal of replies.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct CorpusInfo {
     pub path: String,
@@ -148,6 +148,9 @@ impl ExtractionSettings {
 pub struct Settings {
     pub target: TargetInfo,
     pub corpus: CorpusInfo,
+    /// The regeneration journal whose replies replaced the corpus's (`--replies`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub replies: Option<CorpusInfo>,
     #[serde(flatten)]
     pub extraction: ExtractionSettings,
     /// `cpu` or `cuda`: kernels differ in the last bits, and shards must not mix them.

@@ -31,7 +31,7 @@ use crate::features::manifest::{
     TargetInfo, FEATURES_FORMAT,
 };
 use crate::features::shard::ShardData;
-use crate::regenerate::{dedupe_for_regeneration, regenerate};
+use crate::regenerate::{dedupe_for_regeneration, regenerate, replay_journal};
 use crate::split::{split_of, Split};
 
 /// File of the self-distillation journal inside the output directory.
@@ -44,6 +44,9 @@ pub struct PrepareOptions {
     pub format: CorpusFormat,
     pub out: PathBuf,
     pub settings: ExtractionSettings,
+    /// A regeneration journal (another run's `regenerated.jsonl`) whose replies replace the
+    /// corpus's: only the conversations it records are used (`--replies`).
+    pub replies: Option<PathBuf>,
     /// Extract only this slice of the planned shards (`--shard I/N`); `None`: all of them.
     pub slice: Option<ShardSlice>,
     /// Recorded in the manifest.
@@ -319,6 +322,13 @@ fn check_options(target: &Target, options: &PrepareOptions) -> Result<()> {
     {
         return invalid("--regen-batch and --regen-turns must be at least 1".into());
     }
+    if o.regenerate.is_some() && options.replies.is_some() {
+        return invalid(
+            "--replies takes the replies of a regeneration made before, --regenerate makes one \
+             (resuming from OUT/regenerated.jsonl): give one of them"
+                .into(),
+        );
+    }
     if o.regenerate.is_some() && options.slice.is_some() {
         // Regenerated replies decide every sequence's length and so where shards close: each
         // slice would have to regenerate the whole corpus to plan its part.
@@ -343,9 +353,10 @@ fn settings(target: &Target, options: &PrepareOptions) -> Result<Settings> {
             "the target's tokenizer has no <|im_end|> or <|eot_id|>".into(),
         ));
     }
-    let corpus_bytes = std::fs::metadata(&options.data)
-        .map_err(|e| DatasetError::io(&options.data, e))?
-        .len();
+    let replies = match &options.replies {
+        Some(journal) => Some(file_info(journal, "regeneration-journal")?),
+        None => None,
+    };
     Ok(Settings {
         target: target_info(
             &target.path,
@@ -353,12 +364,8 @@ fn settings(target: &Target, options: &PrepareOptions) -> Result<Settings> {
             &target.tokenizer,
             target.chat_template.as_ref(),
         )?,
-        corpus: CorpusInfo {
-            path: options.data.display().to_string(),
-            format: options.format.name().to_string(),
-            bytes: corpus_bytes,
-            sha256: file_sha256(&options.data)?,
-        },
+        corpus: file_info(&options.data, options.format.name())?,
+        replies,
         extraction: options.settings.clone(),
         device_type: if target.device.is_cuda() {
             "cuda"
@@ -366,6 +373,19 @@ fn settings(target: &Target, options: &PrepareOptions) -> Result<Settings> {
             "cpu"
         }
         .to_string(),
+    })
+}
+
+/// What a manifest records of the input file at `path`, read as `format`.
+fn file_info(path: &Path, format: &str) -> Result<CorpusInfo> {
+    let bytes = std::fs::metadata(path)
+        .map_err(|e| DatasetError::io(path, e))?
+        .len();
+    Ok(CorpusInfo {
+        path: path.display().to_string(),
+        format: format.to_string(),
+        bytes,
+        sha256: file_sha256(path)?,
     })
 }
 
@@ -450,7 +470,8 @@ fn empty_manifest(
     }
 }
 
-/// Reads, dedupes (when regenerating, also by what the target will be asked) and selects the
+/// Reads, dedupes (when regenerating, also by what the target will be asked), puts in the
+/// replies of `--replies` (keeping only the conversations it records) and selects the
 /// conversations.
 fn read_conversations(
     options: &PrepareOptions,
@@ -465,7 +486,10 @@ fn read_conversations(
             duplicates_dropped += dropped;
             kept
         }
-        None => unique,
+        None => match &options.replies {
+            Some(journal) => replay_journal(unique, journal)?,
+            None => unique,
+        },
     };
     unique.truncate(options.settings.max_seqs.unwrap_or(usize::MAX));
     let counts = Counts {

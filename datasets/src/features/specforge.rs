@@ -93,6 +93,7 @@ pub fn import_specforge(
     let settings = Settings {
         target: target.clone(),
         corpus: corpus_info(&options.from, &files),
+        replies: None,
         extraction: ExtractionSettings {
             taps,
             batch_tokens: 0,
