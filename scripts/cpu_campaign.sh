@@ -22,13 +22,20 @@
 # listed in STATE) and replaces HEAD (Q8_0, as shipped) when acc_0 did not fall. Each piece adds
 # a row to STATE/pieces.md: the curve the campaign reached.
 #
-# After a piece, commit STATE and HEAD (the script prints the command). Environment: STATE
-# (default campaign/), HEAD (default pretrained/smollm2-135m-eagle3), WORK (scratch, default
-# $HEADWAY_HOME/cpu-campaign), BIN (release binaries), GGUF, MINUTES, CHUNK (default 1800), EVAL
-# (default 300), LR (default 5e-4), HELD_OUT (the chunk's own held-out fraction, which training
-# reports on; default 0.04), THREADS (default 0: one per core); MAX_SEQS and REPLY_TOKENS
-# shrink the corpus and the replies for a dry run (the settings are part of the journal's identity,
-# so one STATE keeps one choice).
+# After a piece, commit STATE and HEAD (the script prints the command). Environment:
+#   STATE     committed state (default campaign/)
+#   HEAD      the head trained further (default pretrained/smollm2-135m-eagle3)
+#   WORK      scratch (default $HEADWAY_HOME/cpu-campaign)
+#   BIN, GGUF the release binaries and the Q4_1 file
+#   MINUTES   a replies piece's length (default 40)
+#   CHUNK     conversations per train piece (default 1,200: with extraction at ~650 and training
+#             at ~330 tokens/s here, one chunk fits a piece)
+#   EVAL      evaluation conversations (default 300)
+#   LR        peak learning rate (default 5e-4)
+#   HELD_OUT  the chunk's own held-out fraction, which training reports on (default 0.04)
+#   THREADS   0: one per core
+#   MAX_SEQS, REPLY_TOKENS  shrink the corpus and the replies for a dry run (they are part of the
+#             journal's identity, so one STATE keeps one choice)
 set -euo pipefail
 
 piece=${1:?usage: scripts/cpu_campaign.sh replies|train|status}
@@ -41,7 +48,7 @@ bin=${BIN:-${CARGO_TARGET_DIR:-$home/target}/release}
 python=${PYTHON:-python3}
 gguf=${GGUF:-$("$python" "$repo/scripts/smollm2_gguf_path.py")}
 minutes=${MINUTES:-40}
-chunk=${CHUNK:-1800}
+chunk=${CHUNK:-1200}
 eval_convs=${EVAL:-300}
 lr=${LR:-5e-4}
 held_out=${HELD_OUT:-0.04}
