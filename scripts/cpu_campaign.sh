@@ -15,8 +15,8 @@
 # conversation has its reply, and writes the journal back (`{"id", "replies"}` lines, xz) with
 # the number of conversations it covers (replies-total.txt).
 #
-# `train` (once every reply is in) takes the next CHUNK conversations in a fixed hashed order
-# that it has not trained on in this pass, extracts their features from the GGUF, trains the head
+# `train` (once every reply is in) takes the next CHUNK conversations of this pass in a fixed
+# order hashed from the ids and the pass (STATE/progress.txt counts how far the pass got), extracts their features from the GGUF, trains the head
 # in HEAD one epoch further from its weights (`eagle3 --init`: fresh optimizer and schedule),
 # evaluates the head before and after on EVAL conversations never trained on (chosen once,
 # listed in STATE) and replaces HEAD (Q8_0, as shipped) when acc_0 did not fall. Each piece adds
@@ -161,21 +161,21 @@ if not os.path.exists(eval_path):
     os.replace(eval_path + ".tmp", eval_path)
 held_out = [i.strip() for i in open(eval_path)]
 held = set(held_out)
-trained_path = os.path.join(state, "trained-ids.txt")
-trained = [l.split() for l in open(trained_path)] if os.path.exists(trained_path) else []
-pass_ = int(trained[-1][0]) if trained else 1
-done = {i for p, i in trained if int(p) == pass_}
-left = [i for i in order(pass_) if i not in done and i not in held]
+# progress.txt: "PASS DONE", the first DONE conversations of PASS's order are trained on (the
+# journal is complete and fixed by then, so the order is too).
+progress = os.path.join(state, "progress.txt")
+pass_, done = map(int, open(progress).read().split()) if os.path.exists(progress) else (1, 0)
+left = [i for i in order(pass_) if i not in held][done:]
 if not left:
-    pass_, done = pass_ + 1, set()
+    pass_, done = pass_ + 1, 0
     left = [i for i in order(pass_) if i not in held]
 picked = left[:chunk]
 with open(os.path.join(work, "eval.jsonl"), "w") as out:
     out.writelines(lines[i] for i in held_out if i in lines)
 with open(os.path.join(work, "chunk.jsonl"), "w") as out:
     out.writelines(lines[i] for i in picked)
-with open(os.path.join(work, "chunk-ids.txt"), "w") as out:
-    out.writelines(f"{pass_} {i}\n" for i in picked)
+with open(os.path.join(work, "progress.txt"), "w") as out:
+    out.write(f"{pass_} {done + len(picked)}\n")
 print(f"pass {pass_}: {len(picked)} conversations, {len(left) - len(picked)} left in the pass")
 EOF
 }
@@ -243,7 +243,7 @@ EOF
         rm -rf "$head_dir.old" && mv "$head_dir" "$head_dir.old"
         mv "$head_dir.new" "$head_dir" && rm -rf "$head_dir.old"
     fi
-    cat "$work/chunk-ids.txt" >>"$state/trained-ids.txt"
+    cp "$work/progress.txt" "$state/progress.txt"
     local figures
     figures=$("$python" - "$work" "$verdict" <<'EOF'
 import json, sys
@@ -256,10 +256,9 @@ print(f"{train['steps']} steps, {train['tokens']} tokens, {train['tokens_per_s']
 EOF
 )
     local pass conversations
-    read -r pass _ < <(tail -1 "$work/chunk-ids.txt")
-    conversations=$(grep -c "^$pass " "$state/trained-ids.txt")
+    read -r pass conversations <"$state/progress.txt"
     step "train: $figures"
-    log_row train "pass $pass, $(lines "$work/chunk-ids.txt") conversations ($conversations in the pass so far), lr $lr" "$figures"
+    log_row train "pass $pass, $(lines "$work/chunk.jsonl") conversations ($conversations in the pass so far), lr $lr" "$figures"
     echo "commit: git add ${state#"$repo"/} ${head_dir#"$repo"/} && git commit -m 'campaign: trained on $conversations conversations of pass $pass'"
 }
 

@@ -198,7 +198,7 @@ fn the_cpu_campaign_pieces_resume_from_the_committed_state() {
     let read = |file: &str| std::fs::read_to_string(state.join(file)).unwrap();
     assert_eq!(read("replies-total.txt").trim(), "24");
     assert_eq!(read("eval-ids.txt").lines().count(), 4);
-    assert_eq!(read("trained-ids.txt").lines().count(), 8);
+    assert_eq!(read("progress.txt"), "1 8\n");
     let log = read("pieces.md");
     assert_eq!(
         log.lines().filter(|l| l.contains("| replies |")).count(),
