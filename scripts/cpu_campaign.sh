@@ -104,7 +104,7 @@ log_row() {
             >"$state/pieces.md"
     fi
     local host
-    host=$(lscpu | sed -n 's/^Model name: *//p' | head -1)
+    host=$(sed -n 's/^model name[[:space:]]*: *//p' /proc/cpuinfo | head -1)
     echo "| $(date -u +%F) | $host, $(nproc) threads | $1 | $2 | $3 |" >>"$state/pieces.md"
 }
 

@@ -36,6 +36,17 @@ struct JournalLine {
     replies: Vec<String>,
 }
 
+impl JournalLine {
+    /// Line `number` of `journal`.
+    fn parse(text: &str, journal: &Path, number: usize) -> Result<Self> {
+        serde_json::from_str(text).map_err(|source| DatasetError::Line {
+            path: journal.to_path_buf(),
+            line: number,
+            source,
+        })
+    }
+}
+
 /// Regenerates the assistant turns of `conversations` with `target`, resuming from `journal`.
 /// `on_done(conversation_index, new_tokens)` is called after each conversation (also for those
 /// read back from the journal, with 0 new tokens). Returns the regenerated conversations, in
@@ -166,12 +177,7 @@ fn read_journal(
         .lines()
         .enumerate()
         .map(|(i, line)| {
-            let parsed: JournalLine =
-                serde_json::from_str(line).map_err(|source| DatasetError::Line {
-                    path: journal.to_path_buf(),
-                    line: i + 1,
-                    source,
-                })?;
+            let parsed = JournalLine::parse(line, journal, i + 1)?;
             let original = conversations
                 .get(i)
                 .copied()
@@ -245,12 +251,7 @@ pub fn replay_journal(
     let text = std::fs::read_to_string(journal).map_err(|e| DatasetError::io(journal, e))?;
     let mut recorded: HashMap<String, (usize, Vec<String>)> = HashMap::new();
     for (i, line) in text.lines().enumerate() {
-        let line: JournalLine =
-            serde_json::from_str(line).map_err(|source| DatasetError::Line {
-                path: journal.to_path_buf(),
-                line: i + 1,
-                source,
-            })?;
+        let line = JournalLine::parse(line, journal, i + 1)?;
         if let Some((first, _)) = recorded.insert(line.id.clone(), (i + 1, line.replies)) {
             return Err(DatasetError::format(
                 journal,

@@ -573,31 +573,28 @@ fn a_journal_of_replies_replays_the_regeneration_it_recorded() {
     let summary = prepare(&f.target, &first_five, &mut Quiet).unwrap();
     assert_eq!(summary.manifest.counts.conversations_used, 5);
 
-    let foreign = f.root.join("foreign.jsonl");
-    std::fs::write(
-        &foreign,
-        format!("{}{{\"id\":\"chat-99\",\"replies\":[\"hi\"]}}\n", text),
-    )
-    .unwrap();
-    let err = PrepareOptions {
-        replies: Some(foreign),
-        ..options(&f.data, &f.root.join("foreign"))
+    // A journal that is not this corpus's: the error names the line and the conversation.
+    let refusal = |name: &str, journal: String| {
+        let path = f.root.join(format!("{name}.jsonl"));
+        std::fs::write(&path, journal).unwrap();
+        let opts = PrepareOptions {
+            replies: Some(path),
+            ..options(&f.data, &f.root.join(name))
+        };
+        prepare(&f.target, &opts, &mut Quiet)
+            .err()
+            .unwrap()
+            .to_string()
     };
-    let err = prepare(&f.target, &err, &mut Quiet)
-        .err()
-        .unwrap()
-        .to_string();
+    let err = refusal(
+        "foreign",
+        format!("{text}{{\"id\":\"chat-99\",\"replies\":[\"hi\"]}}\n"),
+    );
     assert!(err.contains("line 13") && err.contains("chat-99"), "{err}");
-    let too_many = f.root.join("too_many.jsonl");
-    std::fs::write(&too_many, "{\"id\":\"chat-1\",\"replies\":[\"a\",\"b\"]}\n").unwrap();
-    let err = PrepareOptions {
-        replies: Some(too_many),
-        ..options(&f.data, &f.root.join("too_many"))
-    };
-    let err = prepare(&f.target, &err, &mut Quiet)
-        .err()
-        .unwrap()
-        .to_string();
+    let err = refusal(
+        "too_many",
+        "{\"id\":\"chat-1\",\"replies\":[\"a\",\"b\"]}\n".to_string(),
+    );
     assert!(
         err.contains("more replies") && err.contains("chat-1"),
         "{err}"
