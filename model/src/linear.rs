@@ -286,6 +286,11 @@ impl Linear {
         self.weight.shape()[0] as usize
     }
 
+    /// Input features.
+    pub(crate) fn in_features(&self) -> usize {
+        self.weight.shape()[1] as usize
+    }
+
     /// `x` is `[..., in_features]`; returns `[..., out_features]`, on Headway's kernels where
     /// `cpu` asks for them and the tensors allow (f32 or bf16 on the CPU, no gradients; quantised
     /// weights always), else libtorch's.

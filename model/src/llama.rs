@@ -391,7 +391,7 @@ impl DecoderLayer {
         cpu: &CpuPolicy,
     ) -> Result<Tensor> {
         Self::run_stack(layers, x, cache, mask, cpu, |_, layer, x, ctx| {
-            layer.forward(x, rope, ctx)
+            layer.forward(x, None, rope, ctx)
         })
     }
 
@@ -410,8 +410,7 @@ impl DecoderLayer {
     ) -> Result<Tensor> {
         let layers = std::slice::from_ref(self);
         Self::run_stack(layers, residual, cache, mask, cpu, |_, layer, x, ctx| {
-            let attended = layer.self_attn.forward(attention_input, rope, ctx);
-            layer.after_attention(x, &attended, ctx.cpu)
+            layer.forward(x, Some(attention_input), rope, ctx)
         })
     }
 
@@ -490,19 +489,34 @@ impl DecoderLayer {
         self.self_attn.device()
     }
 
-    /// The layer on [`Self::forward_rows`] where it runs, else on libtorch's ops.
-    fn forward(&self, x: &Tensor, rope: &(Tensor, Tensor), ctx: &mut LayerContext) -> Tensor {
-        if self.runs_rows(x, rope, ctx) {
-            self.forward_rows(x, rope, ctx)
+    /// The layer on [`Self::forward_rows`] where it runs, else on libtorch's ops: `x` is the
+    /// residual stream, `given` what the attention reads when the caller gives it (a layer
+    /// loaded with [`AttentionInput::Given`]), else `x` (normed where the layer norms it).
+    fn forward(
+        &self,
+        x: &Tensor,
+        given: Option<&Tensor>,
+        rope: &(Tensor, Tensor),
+        ctx: &mut LayerContext,
+    ) -> Tensor {
+        if self.runs_rows(x, given, rope, ctx) {
+            self.forward_rows(x, given, rope, ctx)
         } else {
-            self.forward_ops(x, rope, ctx)
+            self.forward_ops(x, given, rope, ctx)
         }
     }
 
-    fn forward_ops(&self, x: &Tensor, rope: &(Tensor, Tensor), ctx: &mut LayerContext) -> Tensor {
-        let attention_input = match &self.input_layernorm {
-            Some(norm) => norm.forward(x),
-            None => x.shallow_clone(),
+    fn forward_ops(
+        &self,
+        x: &Tensor,
+        given: Option<&Tensor>,
+        rope: &(Tensor, Tensor),
+        ctx: &mut LayerContext,
+    ) -> Tensor {
+        let attention_input = match (given, &self.input_layernorm) {
+            (Some(given), _) => given.shallow_clone(),
+            (None, Some(norm)) => norm.forward(x),
+            (None, None) => x.shallow_clone(),
         };
         let attended = self.self_attn.forward(&attention_input, rope, ctx);
         self.after_attention(x, &attended, ctx.cpu)
@@ -646,7 +660,7 @@ impl Llama {
             input.cpu,
             |index, layer, x, ctx| {
                 record_tap(&mut taps, input.taps, index, x);
-                layer.forward(x, ropes.on(x.device()), ctx)
+                layer.forward(x, None, ropes.on(x.device()), ctx)
             },
         )?;
         // Layers spread over devices leave the stream on the last: back to the first, where the

@@ -24,18 +24,26 @@ use crate::spin_pool::SpinPool;
 use crate::{kv_elements, Dtype};
 
 impl DecoderLayer {
-    /// Whether [`Self::forward_rows`] runs `x` `[batch, new, hidden]` at `rope` in `ctx`: f32 on
-    /// the CPU without gradients, at most [`ROW_KERNEL_MAX_ROWS`] rows, a CPU policy with a pool,
-    /// a CPU cache of `x`'s batch (f32, f16 or bf16), and every weight one the few-row kernels
-    /// take.
+    /// Whether [`Self::forward_rows`] runs `x` `[batch, new, hidden]` (with the attention input
+    /// `given`, if any: `[batch, new, width]`) at `rope` in `ctx`: f32 on the CPU without
+    /// gradients, at most [`ROW_KERNEL_MAX_ROWS`] rows, a CPU policy with a pool, a CPU cache of
+    /// `x`'s batch (f32, f16 or bf16), and every weight one the few-row kernels take.
     pub(super) fn runs_rows(
         &self,
         x: &Tensor,
+        given: Option<&Tensor>,
         rope: &(Tensor, Tensor),
         ctx: &LayerContext,
     ) -> bool {
         let size = x.size();
         let rows = size.iter().take(2).product::<i64>() as usize;
+        let given_rows = given.is_none_or(|given| {
+            let given_size = given.size();
+            plain_cpu_f32(given)
+                && given_size.len() == 3
+                && given_size[..2] == size[..2]
+                && given_size[2] == self.self_attn.qkv_proj.in_features() as i64
+        });
         let rope_rows = [&rope.0, &rope.1].into_iter().all(|t| {
             plain_cpu_f32(t)
                 && t.is_contiguous()
@@ -57,6 +65,7 @@ impl DecoderLayer {
             && row_kernel::available()
             && size.len() == 3
             && plain_cpu_f32(x)
+            && given_rows
             && (1..=ROW_KERNEL_MAX_ROWS).contains(&rows)
             && rope_rows
             && cache_rows
@@ -88,6 +97,7 @@ impl DecoderLayer {
     pub(super) fn forward_rows(
         &self,
         x: &Tensor,
+        given: Option<&Tensor>,
         rope: &(Tensor, Tensor),
         ctx: &mut LayerContext,
     ) -> Tensor {
@@ -95,13 +105,15 @@ impl DecoderLayer {
         let x = x.contiguous();
         let size = x.size();
         let input = f32_slice(&x);
-        let normed;
-        let attention_input = match &self.input_layernorm {
-            Some(norm) => {
-                normed = norm.rows(input);
-                &normed[..]
-            }
-            None => input,
+        let (normed, given) = (
+            self.input_layernorm.as_ref().filter(|_| given.is_none()),
+            given.map(Tensor::contiguous),
+        );
+        let normed = normed.map(|norm| norm.rows(input));
+        let attention_input = match (&given, &normed) {
+            (Some(given), _) => f32_slice(given),
+            (None, Some(normed)) => &normed[..],
+            (None, None) => input,
         };
         let batch_new = (size[0] as usize, size[1] as usize);
         let attended = self
@@ -480,9 +492,9 @@ mod tests {
             .collect();
         let [mut rows_cache, mut ops_cache] = <[KvCache; 2]>::try_from(caches).ok().unwrap();
         let mut rows_ctx = context(Some(&mut rows_cache), &cpu);
-        assert!(layer.runs_rows(&x, &rope, &rows_ctx));
-        let rows = layer.forward_rows(&x, &rope, &mut rows_ctx);
-        let ops = layer.forward_ops(&x, &rope, &mut context(Some(&mut ops_cache), &cpu));
+        assert!(layer.runs_rows(&x, None, &rope, &rows_ctx));
+        let rows = layer.forward_rows(&x, None, &rope, &mut rows_ctx);
+        let ops = layer.forward_ops(&x, None, &rope, &mut context(Some(&mut ops_cache), &cpu));
         let diff = (&rows - &ops).abs().max().double_value(&[]);
         assert!(diff < 1e-4, "max |Δ| {diff}");
         let (rows_kv, ops_kv) = (rows_cache.written(0, 5), ops_cache.written(0, 5));
@@ -491,7 +503,7 @@ mod tests {
             assert!(diff < 1e-4, "cache rows differ by {diff}");
         }
         assert!(
-            !layer.runs_rows(&x, &rope, &context(None, &cpu)),
+            !layer.runs_rows(&x, None, &rope, &context(None, &cpu)),
             "no cache"
         );
         let long = Tensor::randn(
@@ -504,12 +516,77 @@ mod tests {
         );
         let mut room = KvCache::new(&config, 1, 80, Kind::Float, Device::Cpu).unwrap();
         assert!(
-            !layer.runs_rows(&long, &long_rope, &context(Some(&mut room), &cpu)),
+            !layer.runs_rows(&long, None, &long_rope, &context(Some(&mut room), &cpu)),
             "65 rows"
         );
         let batch = CpuPolicy::Batch { threads: 2 };
         let batch_ctx = context(Some(&mut room), &batch);
-        assert!(!layer.runs_rows(&x, &rope, &batch_ctx), "libtorch's policy");
+        assert!(
+            !layer.runs_rows(&x, None, &rope, &batch_ctx),
+            "libtorch's policy"
+        );
+    }
+
+    /// A draft head's layer, whose attention reads an input of its own (EAGLE-3's: twice the
+    /// hidden size) beside the residual stream, runs on rows too, under a tree mask after a
+    /// cached prefix, and computes what libtorch's ops compute.
+    #[test]
+    fn a_layer_given_its_attention_input_runs_on_rows() {
+        let config = tiny_config();
+        let h = config.hidden_size as i64;
+        let layer = DecoderLayer::load_with(
+            &mut RandomWeights::new(5, Kind::Float, Device::Cpu),
+            "midlayer",
+            &config,
+            super::super::AttentionInput::Given(2 * config.hidden_size),
+        )
+        .unwrap();
+        let cpu = CpuThreads::new(2).decode();
+        let rotary = super::super::Rotary::new(&config, Device::Cpu);
+        let (past, new) = (3usize, 4usize);
+        let mut caches: Vec<KvCache> = (0..2)
+            .map(|_| KvCache::new(&config, 1, 16, Kind::Float, Device::Cpu).unwrap())
+            .collect();
+        let residual = Tensor::randn([1, past as i64, h], (Kind::Float, Device::Cpu));
+        let given = Tensor::randn([1, past as i64, 2 * h], (Kind::Float, Device::Cpu));
+        let mask =
+            crate::mask::tree_mask(past, &[None, Some(0), Some(0), Some(1)], Device::Cpu).unwrap();
+        let x = Tensor::randn([1, new as i64, h], (Kind::Float, Device::Cpu));
+        let wide = Tensor::randn([1, new as i64, 2 * h], (Kind::Float, Device::Cpu));
+        let positions = Tensor::from_slice(&[3i64, 4, 4, 5]).unsqueeze(0);
+        let rope = rotary.cos_sin(&positions, Kind::Float);
+        let mut outputs = Vec::new();
+        for (cache, rows) in caches.iter_mut().zip([true, false]) {
+            let prefix_rope = rotary.cos_sin(
+                &Tensor::arange(past as i64, (Kind::Int64, Device::Cpu)).unsqueeze(0),
+                Kind::Float,
+            );
+            // The prefix only fills the cache.
+            let _prefix = layer
+                .forward_given(&residual, &given, &prefix_rope, Some(cache), None, &cpu)
+                .unwrap();
+            let mut ctx = LayerContext {
+                layer: 0,
+                cache: Some(cache),
+                mask: Some(&mask),
+                is_causal: false,
+                cpu: &cpu,
+            };
+            assert!(layer.runs_rows(&x, Some(&wide), &rope, &ctx));
+            outputs.push(if rows {
+                layer.forward_rows(&x, Some(&wide), &rope, &mut ctx)
+            } else {
+                layer.forward_ops(&x, Some(&wide), &rope, &mut ctx)
+            });
+        }
+        let diff = (&outputs[0] - &outputs[1]).abs().max().double_value(&[]);
+        assert!(diff < 1e-4, "max |Δ| {diff}");
+        let narrow = wide.narrow(2, 0, h);
+        let ctx = context(Some(&mut caches[0]), &cpu);
+        assert!(
+            !layer.runs_rows(&x, Some(&narrow), &rope, &ctx),
+            "an input of the wrong width"
+        );
     }
 
     #[test]

@@ -27,9 +27,11 @@ pub struct Step {
     pub tree_tokens: usize,
     /// Depth of the verified tree.
     pub tree_depth: usize,
-    /// Seconds drafting and verifying.
+    /// Seconds drafting, verifying (the target's forward over the tree and its LM head), and
+    /// accepting (choosing the path, compacting the cache onto it).
     pub draft_seconds: f64,
     pub verify_seconds: f64,
+    pub accept_seconds: f64,
 }
 
 impl Step {
@@ -133,6 +135,7 @@ impl<'t> Session<'t> {
             .lm_head
             .forward(&hidden, &self.cpu)
             .to_kind(Kind::Float);
+        let verified_at = started.elapsed().as_secs_f64();
         let Accepted { path, bonus } = if sampler.params().is_greedy() {
             let argmax =
                 Vec::<i64>::try_from(logits.argmax(-1, false).to_device(tch::Device::Cpu))?;
@@ -170,7 +173,8 @@ impl<'t> Session<'t> {
             tree_tokens: tree.len(),
             tree_depth: tree.max_depth(),
             draft_seconds,
-            verify_seconds: started.elapsed().as_secs_f64() - draft_seconds,
+            verify_seconds: verified_at - draft_seconds,
+            accept_seconds: started.elapsed().as_secs_f64() - verified_at,
         })
     }
 
@@ -343,6 +347,7 @@ mod tests {
             tree_depth: 4,
             draft_seconds: 0.0,
             verify_seconds: 0.0,
+            accept_seconds: 0.0,
         }
     }
 

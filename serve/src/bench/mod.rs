@@ -277,6 +277,7 @@ fn settings(
         "acceptance": options.acceptance,
         "seconds_drafting": run.draft_seconds,
         "seconds_verifying": run.verify_seconds,
+        "seconds_accepting": run.accept_seconds,
         "steps": run.steps,
     })
 }

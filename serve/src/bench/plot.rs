@@ -142,6 +142,7 @@ mod tests {
             .collect(),
             identical_to_ar: Some(0),
             rows_curve: None,
+            profile: None,
             per_prompt: Vec::new(),
         };
         let svg = svg(&report).unwrap();

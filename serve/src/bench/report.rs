@@ -130,6 +130,8 @@ pub struct MethodRun {
     /// Seconds spent drafting and verifying, over all steps; verification steps.
     pub draft_seconds: f64,
     pub verify_seconds: f64,
+    /// Seconds choosing the accepted path and compacting the cache onto it.
+    pub accept_seconds: f64,
     pub steps: usize,
     /// Sum of the steps' tree depths.
     depth_sum: usize,
@@ -140,12 +142,18 @@ impl MethodRun {
         self.depth_sum as f64 / self.steps.max(1) as f64
     }
 
+    /// Mean seconds of one step: drafting, verification and acceptance.
+    fn seconds_per_step(&self) -> f64 {
+        (self.draft_seconds + self.verify_seconds + self.accept_seconds) / self.steps.max(1) as f64
+    }
+
     /// Adds one generation's steps and its prompt's figures.
     pub fn add(&mut self, out: &SpecGeneration, result: PromptResult) {
         for step in &out.steps {
             self.depths.add(step.tree_depth, step.accepted());
             self.draft_seconds += step.draft_seconds;
             self.verify_seconds += step.verify_seconds;
+            self.accept_seconds += step.accept_seconds;
             self.depth_sum += step.tree_depth;
         }
         self.steps += out.steps.len();
@@ -200,7 +208,57 @@ pub struct BenchReport {
     /// older versions).
     #[serde(default)]
     pub rows_curve: Option<RowsCurve>,
+    /// Where a step's time goes (absent in reports of older versions).
+    #[serde(default)]
+    pub profile: Option<StepProfile>,
     pub per_prompt: Vec<PromptResult>,
+}
+
+/// Mean milliseconds of one step by phase, and one draft depth beside a plain decoding step.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct StepProfile {
+    pub drafting_ms: f64,
+    /// The target's forward over the tree, with its LM head.
+    pub verification_ms: f64,
+    /// Choosing the accepted path and compacting the KV cache onto it.
+    pub acceptance_ms: f64,
+    /// Drafting over the mean depth of the verified trees.
+    pub draft_depth_ms: f64,
+    /// `ar`'s step in the same run, and one draft depth as a share of it.
+    pub plain_step_ms: Option<f64>,
+    pub draft_depth_share: Option<f64>,
+}
+
+impl StepProfile {
+    fn of(run: &MethodRun, ar: Option<&MethodRun>) -> Option<Self> {
+        let steps = run.steps.max(1) as f64;
+        let ms = |seconds: f64| 1e3 * seconds / steps;
+        let draft_depth_ms = ms(run.draft_seconds) / run.mean_tree_depth().max(1.0);
+        let plain_step_ms = ar
+            .filter(|a| a.steps > 0)
+            .map(|a| 1e3 * a.seconds_per_step());
+        (run.steps > 0).then(|| Self {
+            drafting_ms: ms(run.draft_seconds),
+            verification_ms: ms(run.verify_seconds),
+            acceptance_ms: ms(run.accept_seconds),
+            draft_depth_ms,
+            plain_step_ms,
+            draft_depth_share: plain_step_ms.map(|plain| draft_depth_ms / plain),
+        })
+    }
+
+    fn markdown(&self) -> String {
+        let share = match (self.plain_step_ms, self.draft_depth_share) {
+            (Some(plain), Some(share)) => {
+                format!(" = {:.1} % of a plain step ({plain:.2} ms)", 100.0 * share)
+            }
+            _ => String::new(),
+        };
+        format!(
+            "\nPer step: drafting {:.2} ms, verification {:.2} ms, acceptance + compaction {:.2} ms; one draft depth {:.2} ms{share}\n",
+            self.drafting_ms, self.verification_ms, self.acceptance_ms, self.draft_depth_ms
+        )
+    }
 }
 
 /// Builds the report of `run`, compared with `ar` when given.
@@ -256,6 +314,7 @@ pub fn report(
             run.results.len().saturating_sub(differing)
         }),
         rows_curve: None,
+        profile: StepProfile::of(run, ar),
         per_prompt: run.results.clone(),
     }
 }
@@ -270,7 +329,7 @@ pub fn predicted_speedup(run: &MethodRun, ar: &MethodRun) -> f64 {
         return 1.0;
     }
     let alpha = run.depths.pooled().min(0.999_999);
-    let c_target = (ar.verify_seconds + ar.draft_seconds) / ar.steps.max(1) as f64;
+    let c_target = ar.seconds_per_step();
     let c_draft = run.draft_seconds / run.steps as f64 / k;
     let expected_tokens = (1.0 - alpha.powf(k + 1.0)) / (1.0 - alpha);
     expected_tokens / (1.0 + k * c_draft / c_target)
@@ -337,6 +396,9 @@ pub fn markdown(report: &BenchReport) -> String {
             .map(|(d, a)| format!("α{} {a:.3}", d + 1))
             .collect();
         out.push_str(&format!("\nAcceptance per depth: {}\n", rates.join(", ")));
+    }
+    if let Some(profile) = &report.profile {
+        out.push_str(&profile.markdown());
     }
     if let Some(curve) = &report.rows_curve {
         out.push_str(&curve.markdown());
@@ -441,5 +503,39 @@ mod tests {
             differing,
             ["question 2 turn 1: outputs differ from token 1"]
         );
+    }
+
+    /// Phases per step in ms; one draft depth is drafting over the mean tree depth, beside
+    /// `ar`'s whole step.
+    #[test]
+    fn the_profile_splits_a_step_and_prices_a_draft_depth() {
+        let method = MethodRun {
+            draft_seconds: 0.8,
+            verify_seconds: 1.0,
+            accept_seconds: 0.2,
+            steps: 100,
+            depth_sum: 400,
+            ..MethodRun::default()
+        };
+        let ar = MethodRun {
+            verify_seconds: 0.9,
+            accept_seconds: 0.1,
+            steps: 200,
+            ..MethodRun::default()
+        };
+        let profile = StepProfile::of(&method, Some(&ar)).unwrap();
+        let close = |a: f64, b: f64| (a - b).abs() < 1e-9;
+        assert!(close(profile.drafting_ms, 8.0) && close(profile.verification_ms, 10.0));
+        assert!(close(profile.acceptance_ms, 2.0) && close(profile.draft_depth_ms, 2.0));
+        assert!(close(profile.plain_step_ms.unwrap(), 5.0));
+        assert!(close(profile.draft_depth_share.unwrap(), 0.4));
+        assert!(profile
+            .markdown()
+            .contains("= 40.0 % of a plain step (5.00 ms)"));
+        assert!(StepProfile::of(&method, None)
+            .unwrap()
+            .draft_depth_share
+            .is_none());
+        assert!(StepProfile::of(&MethodRun::default(), Some(&ar)).is_none());
     }
 }
