@@ -443,6 +443,14 @@ mod tests {
         assert!(diff > 0.0 && diff < 0.05 * scale, "|Δ| {diff} of {scale}");
         let same_top = q8.argmax(-1, false).eq_tensor(&dense.argmax(-1, false));
         assert!(same_top.sum(Kind::Int64).int64_value(&[]) >= n - 1);
+        // Q4_1 (`--head-format q4_1`) runs on the same kernels with coarser blocks.
+        head.draft_in(QuantFormat::Q4_1);
+        let (q4, q4_quantised) = run(&head);
+        let q4_diff = (&q4 - &dense).abs().max().double_value(&[]);
+        assert!(
+            q4_quantised && q4_diff > diff && q4_diff < 0.3 * scale,
+            "|Δ| {q4_diff}"
+        );
     }
 
     #[test]

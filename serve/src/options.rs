@@ -77,7 +77,8 @@ pub struct DraftArgs {
     pub tree: Option<PathBuf>,
     /// EAGLE and EAGLE-3: the format the head's matrices draft in. `auto`: Q8_0 beside a target
     /// whose matrices run quantised (a GGUF's), where a draft depth in f32 would read about a
-    /// third of a target step; else as trained (f32).
+    /// third of a target step; else as trained (f32). `q4_0` and `q4_1` read about half Q8_0's
+    /// bytes a depth and cost acceptance: measure both with `bench` (docs/benchmarks.md).
     #[arg(long, value_enum, default_value = "auto")]
     pub head_format: HeadFormat,
     /// Draft model and prompt lookup: tokens per chain.
@@ -106,6 +107,10 @@ pub enum HeadFormat {
     F32,
     #[value(name = "q8_0")]
     Q8_0,
+    #[value(name = "q4_0")]
+    Q4_0,
+    #[value(name = "q4_1")]
+    Q4_1,
 }
 
 impl HeadFormat {
@@ -115,6 +120,8 @@ impl HeadFormat {
             Self::Auto => target.model.runs_quantised().then_some(QuantFormat::Q8_0),
             Self::F32 => None,
             Self::Q8_0 => Some(QuantFormat::Q8_0),
+            Self::Q4_0 => Some(QuantFormat::Q4_0),
+            Self::Q4_1 => Some(QuantFormat::Q4_1),
         }
     }
 }
