@@ -139,8 +139,8 @@ fn the_campaign_dry_run_passes_on_the_cpu() {
 
 /// `scripts/cpu_campaign.sh` at toy sizes: a `replies` piece regenerates every reply and writes
 /// the journal to its state; a `train` piece on a fresh scratch directory (another machine) takes
-/// the journal back, sets the evaluation aside, trains the head further and logs both pieces; a
-/// second `replies` piece finds nothing left to do.
+/// the journal back, sets the evaluation aside, trains the head further, leaves it in HEAD for the
+/// next piece and logs both pieces; a second `replies` piece finds nothing left to do.
 #[test]
 fn the_cpu_campaign_pieces_resume_from_the_committed_state() {
     let dir = tempfile::tempdir().unwrap();
@@ -212,4 +212,14 @@ fn the_cpu_campaign_pieces_resume_from_the_committed_state() {
     );
     let config = std::fs::read_to_string(head.join("config.json")).unwrap();
     assert!(config.contains("\"weight_storage\": \"q8_0\""), "{config}");
+    assert!(
+        config.contains("Q4_1.gguf"),
+        "the trained head names the GGUF: {config}"
+    );
+    let weights = |dir: &std::path::Path| std::fs::read(dir.join("model.safetensors")).unwrap();
+    assert_ne!(
+        weights(&head),
+        weights(&shipped),
+        "the next piece continues from the trained head"
+    );
 }
