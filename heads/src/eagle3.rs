@@ -15,7 +15,7 @@
 //! input), `norm.weight`, `lm_head.weight`. The token embedding is the target's, frozen; the draft
 //! vocabulary's ids live in the checkpoint's config (exported as `d2t`/`t2d`).
 
-use headway_model::linear::Linear;
+use headway_model::linear::{f32_slice, plain_cpu_f32, Linear};
 use headway_model::quant::QuantFormat;
 use headway_model::{
     Architecture, AttentionInput, CpuPolicy, DecoderLayer, KvCache, ModelConfig, RmsNorm, Rotary,
@@ -189,8 +189,11 @@ pub struct Eagle3Modules<'a> {
 
 impl Eagle3Modules<'_> {
     /// The draft layer's attention input: the normed embedding of `next_ids` beside the normed
-    /// `features`.
+    /// `features`; on row loops where drafting runs ([`Self::attention_input_rows`]).
     fn attention_input(&self, features: &Tensor, next_ids: &Tensor) -> Tensor {
+        if let Some(rows) = self.attention_input_rows(features, next_ids) {
+            return rows;
+        }
         let ids = next_ids.to_kind(Kind::Int64);
         let embedded = Tensor::embedding(&self.head.embed, &ids, -1, false, false);
         Tensor::cat(
@@ -200,6 +203,49 @@ impl Eagle3Modules<'_> {
             ],
             -1,
         )
+    }
+
+    /// [`Self::attention_input`] where the embedding, the features and both norms are f32 CPU
+    /// tensors without gradients (drafting, not training): the ids' embedding rows read in place
+    /// and each row normed as the few-row layer norms, in a few libtorch calls rather than a
+    /// score. `None` elsewhere, or for an id outside the vocabulary (the ops name it).
+    fn attention_input_rows(&self, features: &Tensor, next_ids: &Tensor) -> Option<Tensor> {
+        let embed = &self.head.embed;
+        let plain = [embed, features].into_iter().all(plain_cpu_f32)
+            && self.embed_norm.runs_rows()
+            && self.hidden_norm.runs_rows();
+        if !plain {
+            return None;
+        }
+        let hidden = self.head.config.layer.hidden_size;
+        let ids = Vec::<i64>::try_from(next_ids.to_kind(Kind::Int64).reshape([-1])).ok()?;
+        let table = f32_slice(embed);
+        let mut embedded = Vec::with_capacity(ids.len() * hidden);
+        for id in ids {
+            let row = usize::try_from(id)
+                .ok()
+                .filter(|&id| id < table.len() / hidden)?;
+            embedded.extend_from_slice(&table[row * hidden..][..hidden]);
+        }
+        let features = features.contiguous();
+        if features.numel() != embedded.len() {
+            return None;
+        }
+        let (embedded, normed) = (
+            self.embed_norm.rows(&embedded),
+            self.hidden_norm.rows(f32_slice(&features)),
+        );
+        let mut input = Vec::with_capacity(2 * normed.len());
+        for (e, f) in embedded
+            .chunks_exact(hidden)
+            .zip(normed.chunks_exact(hidden))
+        {
+            input.extend_from_slice(e);
+            input.extend_from_slice(f);
+        }
+        let mut size = features.size();
+        *size.last_mut()? = 2 * hidden as i64;
+        Some(Tensor::from_slice(&input).view(size.as_slice()))
     }
 
     /// The head's outputs over `ids.len()` rounds of training-time test. Round 0 reads
@@ -248,7 +294,7 @@ impl Eagle3Modules<'_> {
 
     /// The final norm of outputs `[..., hidden]`: what the LM head reads.
     pub fn normed(&self, outputs: &Tensor) -> Tensor {
-        self.norm.forward(outputs)
+        self.norm.forward_rows_where_plain(outputs)
     }
 
     /// The head's LM head `[draft vocab, hidden]` (a parameter).
@@ -403,6 +449,38 @@ mod tests {
             }
         }
         assert_eq!(modules.logits(&outputs[2]).size(), [1, n, 64]);
+    }
+
+    /// Drafting (frozen parameters) builds the attention input and the final norm on row loops,
+    /// training on libtorch's ops; both give the same values within float rounding.
+    #[test]
+    fn the_attention_input_on_rows_matches_the_ops() {
+        let _no_grad = tch::no_grad_guard();
+        let mut head = tiny_eagle3_head(11, vec![0, 1], 64);
+        let h = tiny_config().hidden_size as i64;
+        let features = Tensor::randn([2, 3, h], (Kind::Float, Device::Cpu));
+        let ids = Tensor::randint(64, [2, 3], (Kind::Int64, Device::Cpu));
+        let run = |head: &Eagle3Head| {
+            let modules = head.modules(decode()).unwrap();
+            let rows = modules.attention_input_rows(&features, &ids).is_some();
+            let normed = modules.normed(&features);
+            (modules.attention_input(&features, &ids), normed, rows)
+        };
+        let (ops, ops_normed, ops_rows) = run(&head);
+        head.params.freeze();
+        let (rows, rows_normed, on_rows) = run(&head);
+        assert!(!ops_rows && on_rows, "training on ops, drafting on rows");
+        assert_eq!(rows.size(), [2, 3, 2 * h]);
+        for (a, b) in [(&ops, &rows), (&ops_normed, &rows_normed)] {
+            let diff = (a - b).abs().max().double_value(&[]);
+            assert!(diff < 1e-5, "|Δ| {diff}");
+        }
+        let modules = head.modules(decode()).unwrap();
+        let vocab = tiny_config().vocab_size as i64;
+        let outside = Tensor::from_slice(&[1i64, vocab, 2]).view([1, 3]);
+        assert!(modules
+            .attention_input_rows(&features.narrow(0, 0, 1), &outside)
+            .is_none());
     }
 
     /// Drafting in Q8_0 runs every matrix on the quantised kernel and stays close to f32: the

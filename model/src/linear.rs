@@ -409,12 +409,12 @@ fn quantised_columns<'a>(
 }
 
 /// Whether `t` is f32 on the CPU without gradients: what Headway's few-row code reads.
-pub(crate) fn plain_cpu_f32(t: &Tensor) -> bool {
+pub fn plain_cpu_f32(t: &Tensor) -> bool {
     t.kind() == Kind::Float && t.device() == Device::Cpu && !t.requires_grad()
 }
 
 /// The values of a contiguous f32 CPU tensor.
-pub(crate) fn f32_slice(t: &Tensor) -> &[f32] {
+pub fn f32_slice(t: &Tensor) -> &[f32] {
     assert!(
         t.kind() == Kind::Float && t.device() == Device::Cpu && t.is_contiguous(),
         "a contiguous f32 CPU tensor"

@@ -322,8 +322,24 @@ fn rotate(x: &mut [f32], cos: &[f32], sin: &[f32]) {
 }
 
 impl RmsNorm {
-    /// Each row of `x` (rows of the weight's size) normalised.
-    fn rows(&self, x: &[f32]) -> Vec<f32> {
+    /// Whether [`Self::rows`] runs: the weight is an f32 CPU tensor without gradients.
+    pub fn runs_rows(&self) -> bool {
+        plain_cpu_f32(&self.weight)
+    }
+
+    /// [`Self::forward`] of `x` `[..., size]` on [`Self::rows`] where `x` and the weight are f32
+    /// CPU tensors without gradients, else on libtorch's ops: a draft head's norms, a dozen
+    /// libtorch calls each on ops, run at every draft depth.
+    pub fn forward_rows_where_plain(&self, x: &Tensor) -> Tensor {
+        if !(self.runs_rows() && plain_cpu_f32(x)) {
+            return self.forward(x);
+        }
+        let x = x.contiguous();
+        Tensor::from_slice(&self.rows(f32_slice(&x))).view(x.size().as_slice())
+    }
+
+    /// Each row of `x` (rows of the weight's size) normalised, as the few-row layer norms them.
+    pub fn rows(&self, x: &[f32]) -> Vec<f32> {
         let weight = f32_slice(&self.weight);
         let mut out = x.to_vec();
         for row in out.chunks_exact_mut(weight.len()) {

@@ -150,15 +150,28 @@ impl<'h> EagleDrafter<'h> {
 
     /// `top_k` guesses (target ids, log-probabilities) for each row of `features` `[n, hidden]`.
     fn guesses(&self, features: &Tensor) -> Result<Vec<Vec<(u32, f32)>>> {
-        let logp = self.modules.logits(features).log_softmax(-1, Kind::Float);
-        let (values, index) = logp.topk(self.shape.top_k as i64, -1, true, true);
-        let values = Vec::<f32>::try_from(values.to_device(tch::Device::Cpu).view([-1]))?;
-        let index = Vec::<i64>::try_from(index.to_device(tch::Device::Cpu).view([-1]))?;
-        let to_target = |i: i64| self.d2t.map_or(i as u32, |m| m[i as usize]);
-        Ok(values
-            .chunks(self.shape.top_k)
-            .zip(index.chunks(self.shape.top_k))
-            .map(|(v, i)| i.iter().zip(v).map(|(&i, &v)| (to_target(i), v)).collect())
+        let logits = self.modules.logits(features);
+        let vocab = logits.size().last().copied().unwrap_or(0) as usize;
+        let on_cpu = |t: Tensor| {
+            Vec::<f32>::try_from(
+                t.to_device(tch::Device::Cpu)
+                    .to_kind(Kind::Float)
+                    .reshape([-1]),
+            )
+        };
+        // log p = logit − log Σ exp(logits): libtorch's vectorised reduction, one call a depth.
+        let log_norms = on_cpu(logits.logsumexp([-1], false))?;
+        let logits = on_cpu(logits)?;
+        let to_target = |i: usize| self.d2t.map_or(i as u32, |m| m[i]);
+        Ok(logits
+            .chunks_exact(vocab.max(1))
+            .zip(log_norms)
+            .map(|(row, log_norm)| {
+                top_logits(row, self.shape.top_k)
+                    .into_iter()
+                    .map(|(i, logit)| (to_target(i), logit - log_norm))
+                    .collect()
+            })
             .collect())
     }
 
@@ -284,6 +297,21 @@ impl Drafter for EagleDrafter<'_> {
     }
 }
 
+/// The `k` largest of `logits` (index, logit), best first and the lower index first among
+/// equals: a draft depth's guesses in one pass over the row.
+fn top_logits(logits: &[f32], k: usize) -> Vec<(usize, f32)> {
+    let mut top: Vec<(usize, f32)> = Vec::with_capacity(k + 1);
+    for (i, &logit) in logits.iter().enumerate() {
+        if top.len() == k && top.last().is_none_or(|&(_, worst)| logit <= worst) {
+            continue;
+        }
+        let at = top.partition_point(|&(_, better)| better >= logit);
+        top.insert(at, (i, logit));
+        top.truncate(k);
+    }
+    top
+}
+
 /// The skipped steps' rows, then the newest step's, as one tensor.
 fn rows_in_order<'t>(skipped: impl Iterator<Item = &'t Tensor>, newest: &'t Tensor) -> Tensor {
     let parts: Vec<&Tensor> = skipped.chain(std::iter::once(newest)).collect();
@@ -358,6 +386,34 @@ pub(crate) mod tests {
         headway_heads::testing::randomize_tap_projection(&mut head, 0.1);
         head.params.freeze();
         head
+    }
+
+    /// A row's top-k are `topk`'s: the same indices in the same order, their logits; equal
+    /// logits rank lower index first.
+    #[test]
+    fn top_logits_rank_as_topk_does() {
+        let _no_grad = tch::no_grad_guard();
+        let logits = Tensor::randn([3, 500], (Kind::Float, Device::Cpu)) * 4.0;
+        for k in [1, 4, 10] {
+            let (values, index) = logits.topk(k, -1, true, true);
+            for row in 0..3 {
+                let values = Vec::<f32>::try_from(values.get(row)).unwrap();
+                let index = Vec::<i64>::try_from(index.get(row)).unwrap();
+                let top = top_logits(&Vec::<f32>::try_from(logits.get(row)).unwrap(), k as usize);
+                let (got_index, got_values): (Vec<i64>, Vec<f32>) =
+                    top.iter().map(|&(i, v)| (i as i64, v)).unzip();
+                assert_eq!(
+                    (got_index, got_values),
+                    (index, values),
+                    "row {row}, top-{k}"
+                );
+            }
+        }
+        let ranked: Vec<usize> = top_logits(&[1.0, 3.0, 0.0, 3.0, 2.0], 3)
+            .iter()
+            .map(|&(i, _)| i)
+            .collect();
+        assert_eq!(ranked, [1, 3, 4]);
     }
 
     /// With one child per node the tree is the head's greedy chain, which a plain sequential
