@@ -212,6 +212,7 @@ impl Eagle3Modules<'_> {
     fn attention_input_rows(&self, features: &Tensor, next_ids: &Tensor) -> Option<Tensor> {
         let embed = &self.head.embed;
         let plain = [embed, features].into_iter().all(plain_cpu_f32)
+            && embed.is_contiguous()
             && self.embed_norm.runs_rows()
             && self.hidden_norm.runs_rows();
         if !plain {
