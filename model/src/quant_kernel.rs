@@ -562,7 +562,7 @@ pub fn int8_mac_rate(isa: Isa) -> f64 {
     };
     let macs = (ROUNDS * simd::CHAINS * LANES * GROUP) as f64;
     match isa {
-        // SAFETY: `isa` is available (asserted above).
+        // SAFETY: `isa` is available (asserted above). 512-bit registers hold twice the lanes.
         #[cfg(target_arch = "x86_64")]
         Isa::Vnni512 => 2.0 * macs / best(&|| unsafe { simd::dot4_rounds_vnni512(ROUNDS) }),
         #[cfg(target_arch = "x86_64")]
@@ -709,9 +709,7 @@ impl Tile {
             }),
         }
     }
-}
 
-impl Tile {
     /// The tile of this octet and the next on 512-bit registers ([`Isa::Vnni512`]).
     unsafe fn run_wide<const R: usize>(
         self,
@@ -951,7 +949,9 @@ mod simd {
             _mm256_storeu_ps as storeu_ps, _mm256_sub_epi32 as sub_epi32,
         };
 
-        pub(super) use super::{activations, Header, Shared, Weights, LANES};
+        // What the tile kernel names through the width (`$v::`), then what these loaders return.
+        pub(super) use super::{activations, Shared, LANES};
+        use super::{Header, Weights};
 
         /// The octet at `at`'s super-block fields (`_next`, the step to the next octet, is for
         /// [`super::wide`]).
