@@ -15,7 +15,7 @@ mod timing;
 use timing::best_of;
 
 use headway_model::quant::{quantise, QuantFormat};
-use headway_model::quant_kernel::{columns, detected_isa, int8_mac_rate, Isa};
+use headway_model::quant_kernel::{columns, kernel_isa, int8_mac_rate, Isa};
 use headway_model::quant_kernel::{PackedMatrix, QuantisedRows};
 use headway_model::roof::{read_rate, roofline_seconds};
 
@@ -25,7 +25,7 @@ const LAYERS: usize = 30;
 const REPS: usize = 7;
 
 fn main() {
-    let isas: Vec<Isa> = match detected_isa() {
+    let isas: Vec<Isa> = match kernel_isa() {
         Isa::Portable => vec![Isa::Portable],
         _ => Isa::all_available().split_off(1),
     };
@@ -36,6 +36,7 @@ fn main() {
             rate / 1e9
         );
     }
+    println!("the kernels run {:?}", kernel_isa());
     let wanted: Vec<String> = std::env::args().skip(1).collect();
     let formats = QuantFormat::ALL
         .into_iter()

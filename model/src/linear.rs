@@ -382,7 +382,7 @@ fn quantised_columns<'a>(
     let out_features = blocks.rows();
     assert_eq!(y.len(), activations.rows() * out_features, "output size");
     let y_ptr = y.as_mut_ptr() as usize;
-    let isa = quant_kernel::detected_isa();
+    let isa = quant_kernel::kernel_isa();
     move |first, len| {
         for (part_first, part) in blocks.parts() {
             let start = first.max(part_first);

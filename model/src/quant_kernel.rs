@@ -26,7 +26,8 @@
 //! Where the CPU has AVX-512 ([`Isa::Vnni512`]), a tile takes two neighbouring octets into one
 //! 512-bit register, each half loaded and unpacked as alone: one broadcast of four activation
 //! quants, one `dpbusd` and one set of float fix-ups then serve sixteen features, and every lane
-//! runs the operations it runs on 256 bits, so the bits stay the same.
+//! runs the operations it runs on 256 bits, so the bits stay the same. It is taken only where
+//! 512-bit registers multiply faster than 256-bit ones ([`kernel_isa`]; not on AMD Zen 4).
 //!
 //! Why interleave: the previous layout (blocks as GGUF stores them, one feature per vector) needed
 //! a tree of horizontal adds per block and row to bring eight blocks' sums into eight lanes; with
@@ -429,7 +430,7 @@ impl QuantisedRows {
     /// Quantises `x`, `rows × cols` floats (`cols` a multiple of 32), eight values a step where
     /// the CPU has AVX2 (the same values as one at a time: see [`Self::quantise_block`]).
     pub fn new(x: &[f32], cols: usize) -> Self {
-        Self::quantised_with(x, cols, detected_isa())
+        Self::quantised_with(x, cols, kernel_isa())
     }
 
     fn quantised_with(x: &[f32], cols: usize, isa: Isa) -> Self {
@@ -510,9 +511,9 @@ pub enum Isa {
 }
 
 impl Isa {
-    /// Whether this CPU runs `self`: the detected set or a lesser one.
+    /// Whether this CPU runs `self`: its widest set or a lesser one.
     pub fn available(self) -> bool {
-        self <= detected_isa()
+        self <= widest_isa()
     }
 
     /// Every set this CPU runs, least first.
@@ -524,8 +525,8 @@ impl Isa {
     }
 }
 
-/// The best [`Isa`] this CPU has.
-pub fn detected_isa() -> Isa {
+/// The widest [`Isa`] this CPU has.
+fn widest_isa() -> Isa {
     #[cfg(target_arch = "x86_64")]
     {
         let avx2 = is_x86_feature_detected!("avx2")
@@ -542,6 +543,26 @@ pub fn detected_isa() -> Isa {
         }
     }
     Isa::Portable
+}
+
+/// How much faster 512-bit `vpdpbusd` must multiply than 256-bit for the kernels to take
+/// [`Isa::Vnni512`]: where it is not, the wide tile's joins are pure cost.
+const WIDE_GAIN: f64 = 1.3;
+
+/// The [`Isa`] the kernels run, chosen once per process: the widest this CPU has, but 512-bit
+/// registers only where they raise the measured int8 MAC rate by [`WIDE_GAIN`]. An Intel Xeon
+/// with AMX measured 422 against 254 G MACs/s and takes them; AMD Zen 4 runs each 512-bit
+/// operation as two halves (236 G both ways), and there the wide tile made 1–8 rows slower
+/// (one thread, 30 × [1536 × 576]: Q4_1 one row 0.34 → 0.46 ms, Q8_0 0.65 → 1.47 ms). Every
+/// set gives the same bits, so the choice moves only time.
+pub fn kernel_isa() -> Isa {
+    static CHOSEN: std::sync::OnceLock<Isa> = std::sync::OnceLock::new();
+    *CHOSEN.get_or_init(|| match widest_isa() {
+        Isa::Vnni512 if int8_mac_rate(Isa::Vnni512) < WIDE_GAIN * int8_mac_rate(Isa::Vnni) => {
+            Isa::Vnni
+        }
+        isa => isa,
+    })
 }
 
 /// Int8 multiply-accumulates per second one thread does with `isa`'s kernel instruction
@@ -1461,7 +1482,7 @@ mod tests {
             let (out, cols, rows) = (40, width(format, 576), 3);
             let w = PackedMatrix::new(&quantise(format, &random(out * cols, 3), out, cols));
             let xs = random(rows * cols, 4);
-            let got = product(detected_isa(), &QuantisedRows::new(&xs, cols), &w, 0, out);
+            let got = product(kernel_isa(), &QuantisedRows::new(&xs, cols), &w, 0, out);
             let mut dense = vec![0f32; cols];
             let mut worst = 0f32;
             let mut scale = 0f32;

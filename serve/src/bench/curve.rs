@@ -6,7 +6,7 @@
 //! that says how far that holds.
 
 use headway_engine::autotune::LatencyProfile;
-use headway_model::quant_kernel::{detected_isa, int8_mac_rate};
+use headway_model::quant_kernel::{kernel_isa, int8_mac_rate};
 use headway_model::roof::roofline_seconds;
 use headway_model::{KvCache, Target};
 use serde::{Deserialize, Serialize};
@@ -64,7 +64,7 @@ impl RowsCurve {
             .sum();
         let int8_macs_per_s = model
             .runs_quantised()
-            .then(|| int8_mac_rate(detected_isa()) * host.threads as f64)
+            .then(|| int8_mac_rate(kernel_isa()) * host.threads as f64)
             .filter(|rate| *rate > 0.0);
         Ok(Self {
             prefix,
