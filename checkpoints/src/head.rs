@@ -47,7 +47,7 @@ pub fn load_head(path: &Path, target: &Target) -> Result<LoadedHead> {
         .draft_vocab
         .clone()
         .map(|d2t| DraftVocab { d2t });
-    let lm_head = DraftVocab::lm_head_rows(draft_vocab.as_ref(), target.model.lm_head.weight());
+    let lm_head = DraftVocab::lm_head_rows(draft_vocab.as_ref(), target.model.lm_head.matrix());
     let build = |e: headway_heads::HeadError| invalid(&checkpoint.dir, e.to_string());
     let mut head = match &checkpoint.config.head {
         HeadKind::Medusa(config) => {
@@ -64,7 +64,7 @@ pub fn load_head(path: &Path, target: &Target) -> Result<LoadedHead> {
                     .with_taps(taps.clone())
                     .with_embed_scale(*embed_scale)
                     .with_fc_bias(*fc_bias),
-                target.model.model.embed_tokens(),
+                target.model.model.embedding(),
                 &lm_head,
             )
             .map_err(build)?,
@@ -78,8 +78,7 @@ pub fn load_head(path: &Path, target: &Target) -> Result<LoadedHead> {
             };
             let config = Eagle3Config::for_target(target.model.config(), taps.clone(), vocab.len());
             DraftHead::Eagle3(
-                Eagle3Head::new(config, target.model.model.embed_tokens(), &lm_head)
-                    .map_err(build)?,
+                Eagle3Head::new(config, target.model.model.embedding(), &lm_head).map_err(build)?,
             )
         }
     };

@@ -5,6 +5,7 @@
 //! vocabulary keeps the rows of the tokens that carry most of the training text; `d2t[i]` is the
 //! target id of draft token `i` (EAGLE-3's convention), and tokens outside it are never drafted.
 
+use headway_model::linear::Matrix;
 use tch::{Device, Kind, Tensor};
 
 use crate::error::{HeadError, Result};
@@ -57,13 +58,14 @@ impl DraftVocab {
     }
 
     /// The rows of the target's LM head `weight` (`[vocab, hidden]`) that this vocabulary drafts
-    /// over, as f32.
-    pub fn lm_head_rows(draft: Option<&Self>, weight: &Tensor) -> Tensor {
-        let weight = weight.to_kind(Kind::Float);
+    /// over, as f32: only those rows are read from quantised blocks, so a quantised target keeps
+    /// no dense copy of its LM head for a head drafting over a vocabulary of its own.
+    pub fn lm_head_rows(draft: Option<&Self>, weight: &Matrix) -> Tensor {
         match draft {
-            Some(d) => weight.index_select(0, &d.index(weight.device())),
-            None => weight,
+            Some(d) => weight.rows(&d.index(weight.device())),
+            None => weight.dense().shallow_clone(),
         }
+        .to_kind(Kind::Float)
     }
 
     /// Fraction of the counted tokens the vocabulary covers.

@@ -105,8 +105,8 @@ impl EagleConfig {
 pub struct EagleHead {
     pub config: EagleConfig,
     pub params: Params,
-    /// The target's embedding `[vocab, hidden]`, frozen.
-    embed: Tensor,
+    /// The target's embedding `[vocab, hidden]` as it stores it (shared, never copied), frozen.
+    embed: Matrix,
     /// The target's LM head `[draft vocab, hidden]` (draft-vocabulary rows), frozen.
     lm_head: Tensor,
     rotary: Rotary,
@@ -117,7 +117,7 @@ pub struct EagleHead {
 impl EagleHead {
     /// A fresh head: linear layers drawn as torch's `nn.Linear` default (uniform ±1/√fan_in, from
     /// libtorch's generator: seed it with `tch::manual_seed`), norm weights one.
-    pub fn new(config: EagleConfig, embed: &Tensor, lm_head: &Tensor) -> Result<Self> {
+    pub fn new(config: EagleConfig, embed: &Matrix, lm_head: &Tensor) -> Result<Self> {
         let c = &config.layer;
         let h = c.hidden_size as i64;
         if config.layers() == 0 {
@@ -131,11 +131,11 @@ impl EagleHead {
                 config.embed_scale
             )));
         }
-        if embed.size() != [c.vocab_size as i64, h] || lm_head.size().get(1) != Some(&h) {
+        if embed.shape() != [c.vocab_size as i64, h] || lm_head.size().get(1) != Some(&h) {
             return Err(HeadError::Invalid(format!(
                 "the EAGLE head for hidden size {h} needs an embedding [{}, {h}] and an LM head [_, {h}], got {:?} and {:?}",
                 c.vocab_size,
-                embed.size(),
+                embed.shape(),
                 lm_head.size()
             )));
         }
@@ -153,7 +153,7 @@ impl EagleHead {
             rotary: Rotary::new(c, device),
             config,
             params,
-            embed: embed.detach().to_kind(Kind::Float),
+            embed: embed.share(),
             lm_head: lm_head.detach().to_kind(Kind::Float),
             drafting_format: None,
         })
@@ -274,14 +274,12 @@ impl FeatureModules for EagleModules<'_> {
         cache: Option<&mut KvCache>,
         mask: Option<&Tensor>,
     ) -> Result<Tensor> {
-        let embedded = Tensor::embedding(
-            &self.head.embed,
-            &next_ids.to_kind(Kind::Int64),
-            -1,
-            false,
-            false,
-        );
-        let embedded = embedded * self.head.config.embed_scale;
+        let embedded = self
+            .head
+            .embed
+            .rows(&next_ids.to_kind(Kind::Int64))
+            .to_kind(Kind::Float)
+            * self.head.config.embed_scale;
         self.cpu.enter();
         let x = self.fc.forward(
             &Tensor::cat(&[embedded, features.to_kind(Kind::Float)], -1),
@@ -518,13 +516,14 @@ mod tests {
             [config.vocab_size as i64, config.hidden_size as i64],
             (Kind::Float, Device::Cpu),
         );
-        let error = EagleHead::new(EagleConfig::for_target(&config, 0), &embed, &embed)
+        let table = Matrix::Dense(embed.shallow_clone());
+        let error = EagleHead::new(EagleConfig::for_target(&config, 0), &table, &embed)
             .err()
             .unwrap();
         assert!(error.to_string().contains("at least one decoder layer"));
         for bad in [0.0, -2.0, f64::NAN] {
             let config = EagleConfig::for_target(&config, 1).with_embed_scale(bad);
-            let error = EagleHead::new(config, &embed, &embed).err().unwrap();
+            let error = EagleHead::new(config, &table, &embed).err().unwrap();
             assert!(error.to_string().contains("embedding scale"), "{error}");
         }
     }

@@ -15,7 +15,7 @@
 //! input), `norm.weight`, `lm_head.weight`. The token embedding is the target's, frozen; the draft
 //! vocabulary's ids live in the checkpoint's config (exported as `d2t`/`t2d`).
 
-use headway_model::linear::{f32_slice, plain_cpu_f32, Linear};
+use headway_model::linear::{f32_slice, plain_cpu_f32, Linear, Matrix};
 use headway_model::quant::QuantFormat;
 use headway_model::{
     Architecture, AttentionInput, CpuPolicy, DecoderLayer, KvCache, ModelConfig, RmsNorm, Rotary,
@@ -89,8 +89,8 @@ pub struct Eagle3Head {
     pub params: Params,
     /// The format its matrices draft in ([`Self::draft_in`]; `None`: as trained).
     drafting_format: Option<QuantFormat>,
-    /// The target's embedding `[vocab, hidden]`, frozen.
-    embed: Tensor,
+    /// The target's embedding `[vocab, hidden]` as it stores it (shared, never copied), frozen.
+    embed: Matrix,
     rotary: Rotary,
 }
 
@@ -100,19 +100,19 @@ impl Eagle3Head {
     /// LM head started from `lm_head_rows`, the target's LM head rows of the draft vocabulary
     /// (the layer learns to produce what the target's head reads; the references start from
     /// random rows).
-    pub fn new(config: Eagle3Config, embed: &Tensor, lm_head_rows: &Tensor) -> Result<Self> {
+    pub fn new(config: Eagle3Config, embed: &Matrix, lm_head_rows: &Tensor) -> Result<Self> {
         let c = &config.layer;
         let h = c.hidden_size as i64;
         let rows = [config.draft_vocab as i64, h];
         if config.taps.is_empty()
-            || embed.size() != [c.vocab_size as i64, h]
+            || embed.shape() != [c.vocab_size as i64, h]
             || lm_head_rows.size() != rows
         {
             return Err(HeadError::Invalid(format!(
                 "the EAGLE-3 head needs taps (got {:?}), an embedding [{}, {h}] (got {:?}) and LM-head rows {rows:?} (got {:?})",
                 config.taps,
                 c.vocab_size,
-                embed.size(),
+                embed.shape(),
                 lm_head_rows.size()
             )));
         }
@@ -131,7 +131,7 @@ impl Eagle3Head {
             config,
             params,
             drafting_format: None,
-            embed: embed.detach().to_kind(Kind::Float),
+            embed: embed.share(),
         })
     }
 
@@ -195,7 +195,7 @@ impl Eagle3Modules<'_> {
             return rows;
         }
         let ids = next_ids.to_kind(Kind::Int64);
-        let embedded = Tensor::embedding(&self.head.embed, &ids, -1, false, false);
+        let embedded = self.head.embed.rows(&ids).to_kind(Kind::Float);
         Tensor::cat(
             &[
                 self.embed_norm.forward(&embedded),
@@ -205,28 +205,24 @@ impl Eagle3Modules<'_> {
         )
     }
 
-    /// [`Self::attention_input`] where the embedding, the features and both norms are f32 CPU
-    /// tensors without gradients (drafting, not training): the ids' embedding rows read in place
-    /// and each row normed as the few-row layer norms, in a few libtorch calls rather than a
-    /// score. `None` elsewhere, or for an id outside the vocabulary (the ops name it).
+    /// [`Self::attention_input`] where the features and both norms are f32 CPU tensors without
+    /// gradients (drafting, not training) and the embedding's rows read in place
+    /// ([`Matrix::row_into`]: quantised rows dequantised one by one), each row normed as the
+    /// few-row layer norms, in a few libtorch calls rather than a score. `None` elsewhere, or for
+    /// an id outside the vocabulary (the ops name it).
     fn attention_input_rows(&self, features: &Tensor, next_ids: &Tensor) -> Option<Tensor> {
-        let embed = &self.head.embed;
-        let plain = [embed, features].into_iter().all(plain_cpu_f32)
-            && embed.is_contiguous()
-            && self.embed_norm.runs_rows()
-            && self.hidden_norm.runs_rows();
+        let plain =
+            plain_cpu_f32(features) && self.embed_norm.runs_rows() && self.hidden_norm.runs_rows();
         if !plain {
             return None;
         }
         let hidden = self.head.config.layer.hidden_size;
         let ids = Vec::<i64>::try_from(next_ids.to_kind(Kind::Int64).reshape([-1])).ok()?;
-        let table = f32_slice(embed);
-        let mut embedded = Vec::with_capacity(ids.len() * hidden);
-        for id in ids {
-            let row = usize::try_from(id)
-                .ok()
-                .filter(|&id| id < table.len() / hidden)?;
-            embedded.extend_from_slice(&table[row * hidden..][..hidden]);
+        let mut embedded = vec![0f32; ids.len() * hidden];
+        for (id, row) in ids.into_iter().zip(embedded.chunks_exact_mut(hidden)) {
+            if !self.head.embed.row_into(usize::try_from(id).ok()?, row) {
+                return None;
+            }
         }
         let features = features.contiguous();
         if features.numel() != embedded.len() {
@@ -482,6 +478,43 @@ mod tests {
         assert!(modules
             .attention_input_rows(&features.narrow(0, 0, 1), &outside)
             .is_none());
+    }
+
+    /// Over a quantised target's embedding the head reads the ids' rows from its blocks (no
+    /// dense copy), on rows as on the ops.
+    #[test]
+    fn a_quantised_embedding_is_read_row_by_row_without_a_dense_copy() {
+        use headway_model::quant::quantise;
+        let _no_grad = tch::no_grad_guard();
+        let c = tiny_config();
+        let (vocab, h) = (c.vocab_size, c.hidden_size);
+        let values = Vec::<f32>::try_from(Tensor::randn(
+            [(vocab * h) as i64],
+            (Kind::Float, Device::Cpu),
+        ))
+        .unwrap();
+        let table = Matrix::quantised(quantise(QuantFormat::Q8_0, &values, vocab, h));
+        let rows = Tensor::randn([64, h as i64], (Kind::Float, Device::Cpu));
+        let config = Eagle3Config::for_target(&c, vec![0, 1], 64);
+        let mut head = Eagle3Head::new(config, &table, &rows).unwrap();
+        head.params.freeze();
+        let modules = head.modules(decode()).unwrap();
+        let features = Tensor::randn([1, 3, h as i64], (Kind::Float, Device::Cpu));
+        let ids = Tensor::from_slice(&[3i64, 0, vocab as i64 - 1]).view([1, 3]);
+        let on_rows = modules.attention_input_rows(&features, &ids).unwrap();
+        let ops = Tensor::cat(
+            &[
+                modules.embed_norm.forward(&table.rows(&ids)),
+                modules.hidden_norm.forward(&features),
+            ],
+            -1,
+        );
+        let diff = (&on_rows - &ops).abs().max().double_value(&[]);
+        assert!(diff < 1e-5, "|Δ| {diff}");
+        assert!(
+            matches!(&head.embed, Matrix::Quantised { dense, .. } if dense.get().is_none()),
+            "the embedding stays quantised"
+        );
     }
 
     /// Drafting in Q8_0 runs every matrix on the quantised kernel and stays close to f32: the

@@ -1,5 +1,6 @@
 //! Helpers for tests of code that drafts with heads (here and in `headway-serve`).
 
+use headway_model::linear::Matrix;
 use headway_model::testing::tiny_config;
 use tch::{Device, Kind, Tensor};
 
@@ -17,7 +18,12 @@ pub fn tiny_eagle_head(seed: i64, layers: usize, taps: Vec<usize>, lm_rows: i64)
         (Kind::Float, Device::Cpu),
     );
     let config = EagleConfig::for_target(&config, layers).with_taps(taps);
-    EagleHead::new(config, &embed, &embed.narrow(0, 0, lm_rows)).expect("a valid tiny head")
+    EagleHead::new(
+        config,
+        &Matrix::Dense(embed.shallow_clone()),
+        &embed.narrow(0, 0, lm_rows),
+    )
+    .expect("a valid tiny head")
 }
 
 /// A fresh EAGLE-3 head for the tiny test target fusing `taps` and drafting over its first
@@ -35,7 +41,7 @@ pub fn tiny_eagle3_head(seed: i64, taps: Vec<usize>, draft_vocab: usize) -> Eagl
         (Kind::Float, Device::Cpu),
     );
     let config = Eagle3Config::for_target(&config, taps, draft_vocab);
-    Eagle3Head::new(config, &embed, &rows).expect("a valid tiny head")
+    Eagle3Head::new(config, &Matrix::Dense(embed), &rows).expect("a valid tiny head")
 }
 
 /// Replaces a tapped head's tap projection, zero when fresh (so the head starts by ignoring its

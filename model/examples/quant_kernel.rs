@@ -15,7 +15,7 @@ mod timing;
 use timing::best_of;
 
 use headway_model::quant::{quantise, QuantFormat};
-use headway_model::quant_kernel::{columns, kernel_isa, int8_mac_rate, Isa};
+use headway_model::quant_kernel::{columns, int8_mac_rate, kernel_isa, Isa};
 use headway_model::quant_kernel::{PackedMatrix, QuantisedRows};
 use headway_model::roof::{read_rate, roofline_seconds};
 

@@ -133,6 +133,42 @@ impl Matrix {
         }
     }
 
+    /// Row `row`'s values widened to f32 into `out` (`cols` long), read in place: quantised
+    /// blocks dequantised as [`Self::rows`] does, an f32 or bf16 CPU tensor's row copied. The
+    /// few-row code's embedding lookup, with no dense copy of a quantised table. `false`, `out`
+    /// untouched, for a row out of range or values that live elsewhere (another device or kind,
+    /// a tensor that needs gradients): [`Self::rows`] serves those.
+    pub fn row_into(&self, row: usize, out: &mut [f32]) -> bool {
+        let [rows, cols] = self.shape().map(|n| n as usize);
+        if row >= rows || out.len() != cols {
+            return false;
+        }
+        match self {
+            Self::Quantised { blocks, .. } => blocks.dequantise_row(row, out),
+            Self::Dense(t) if !t.is_contiguous() || t.device() != Device::Cpu => return false,
+            Self::Dense(t) if t.requires_grad() => return false,
+            Self::Dense(t) => match t.kind() {
+                Kind::Float => out.copy_from_slice(&f32_slice(t)[row * cols..][..cols]),
+                Kind::BFloat16 => {
+                    // SAFETY: a contiguous bf16 CPU tensor of `rows × cols` elements, borrowed
+                    // for the call; `row < rows`.
+                    let values = unsafe {
+                        std::slice::from_raw_parts(
+                            (t.data_ptr() as *const Bf16).add(row * cols),
+                            cols,
+                        )
+                    };
+                    // SAFETY: `load1` reads `values[i]`, in bounds.
+                    for (i, o) in out.iter_mut().enumerate() {
+                        *o = unsafe { row_kernel::Element::load1(values.as_ptr(), i) };
+                    }
+                }
+                _ => return false,
+            },
+        }
+        true
+    }
+
     /// The rows of `parts` one after another: quantised when every part is quantised, else a
     /// dense tensor.
     pub fn concat_rows(parts: Vec<Matrix>) -> crate::Result<Matrix> {
@@ -644,6 +680,42 @@ mod tests {
             .matrix()
             .rows(&ids)
             .equal(&fused.weight().index_select(0, &ids)));
+    }
+
+    /// A row read in place is [`Matrix::rows`]' row, bit for bit, for quantised blocks and f32
+    /// and bf16 tensors, without making the quantised matrix's dense copy; rows out of range,
+    /// a wrong width and tensors the few-row code does not read are refused.
+    #[test]
+    fn a_row_read_in_place_is_the_lookups_row() {
+        use crate::quant::{quantise, QuantFormat};
+        let (rows, cols) = (12, 64);
+        let values = Tensor::randn([rows, cols], (Kind::Float, Device::Cpu));
+        let flat = Vec::<f32>::try_from(values.reshape([-1])).unwrap();
+        let quantised = Matrix::quantised(quantise(QuantFormat::Q4_1, &flat, 12, 64));
+        let tables = [
+            quantised,
+            Matrix::Dense(values.shallow_clone()),
+            Matrix::Dense(values.to_kind(Kind::BFloat16)),
+        ];
+        let ids = Tensor::from_slice(&[0i64, 5, 11]);
+        for table in &tables {
+            let expected = table.rows(&ids).to_kind(Kind::Float);
+            let mut row = vec![0f32; cols as usize];
+            for (i, id) in [0, 5, 11].into_iter().enumerate() {
+                assert!(table.row_into(id, &mut row));
+                assert!(Tensor::from_slice(&row).equal(&expected.get(i as i64)));
+            }
+            assert!(!table.row_into(rows as usize, &mut row));
+            assert!(!table.row_into(0, &mut row[1..]));
+            if let Matrix::Quantised { dense, .. } = table {
+                assert!(dense.get().is_none(), "no dense copy made");
+            }
+        }
+        let other_kind = Matrix::Dense(values.to_kind(Kind::Half));
+        let strided = Matrix::Dense(values.tr().contiguous().tr());
+        for table in [other_kind, strided] {
+            assert!(!table.row_into(0, &mut vec![0f32; cols as usize]));
+        }
     }
 
     #[test]

@@ -622,10 +622,16 @@ impl Llama {
         self.layers.iter().map(DecoderLayer::device).collect()
     }
 
-    /// The token embedding matrix `[vocab, hidden]` as a tensor (for draft heads; dequantised
-    /// once when the target is quantised).
+    /// The token embedding matrix `[vocab, hidden]` as a tensor (for training; dequantised once,
+    /// and kept, when the target is quantised).
     pub fn embed_tokens(&self) -> &Tensor {
         self.embed_tokens.dense()
+    }
+
+    /// The token embedding matrix as stored (quantised blocks stay quantised): what draft heads
+    /// share, reading the rows they need.
+    pub fn embedding(&self) -> &Matrix {
+        &self.embed_tokens
     }
 
     /// The final norm's weight `[hidden]`: the scale of the features the LM head reads.

@@ -278,7 +278,7 @@ fn draft_vocab(setup: &Setup, size: Option<usize>) -> anyhow::Result<Option<Draf
 
 /// The target LM head rows the head drafts over.
 fn lm_head_rows(target: &Target, draft: Option<&DraftVocab>) -> Tensor {
-    DraftVocab::lm_head_rows(draft, target.model.lm_head.weight())
+    DraftVocab::lm_head_rows(draft, target.model.lm_head.matrix())
 }
 
 /// The head `--init` names, loaded on `setup`'s target to be trained further: its modules, draft
@@ -560,7 +560,7 @@ fn fresh_eagle(
             .with_taps(args.taps.clone())
             .with_embed_scale(embed_scale)
             .with_fc_bias(args.fc_bias),
-        trunk.embed_tokens(),
+        trunk.embedding(),
         &lm_head_rows(&setup.target, draft.as_ref()),
     )?;
     let kind = HeadKind::Eagle {
@@ -629,7 +629,7 @@ fn fresh_eagle3(
     let config = Eagle3Config::for_target(target.model.config(), taps.clone(), draft.len());
     let head = Eagle3Head::new(
         config,
-        target.model.model.embed_tokens(),
+        target.model.model.embedding(),
         &lm_head_rows(target, Some(&draft)),
     )?;
     Ok((head, draft, taps))

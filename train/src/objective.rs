@@ -5,6 +5,7 @@ use std::collections::BTreeMap;
 
 use headway_heads::eagle::EagleModules;
 use headway_heads::{DraftVocab, Eagle3Head, EagleHead, FeatureModules, MedusaHeads, Params};
+use headway_model::linear::Matrix;
 use headway_model::mask::positions;
 use headway_model::CpuPolicy;
 use tch::{Kind, Reduction, Tensor};
@@ -410,7 +411,10 @@ impl Eagle3Objective {
             vocab,
         );
         Self {
-            draft_rows: DraftVocab::lm_head_rows(Some(draft), &target_lm_head),
+            draft_rows: DraftVocab::lm_head_rows(
+                Some(draft),
+                &Matrix::Dense(target_lm_head.shallow_clone()),
+            ),
             in_draft: to_draft.ge(0),
             to_draft,
             target_lm_head,

@@ -158,10 +158,10 @@ fn random_eagle(target: &Target, taps: Vec<usize>) -> (EagleHead, Vec<u32>) {
     tch::manual_seed(7);
     let d2t: Vec<u32> = (0..200).rev().collect();
     let vocab = DraftVocab { d2t: d2t.clone() };
-    let lm_head = DraftVocab::lm_head_rows(Some(&vocab), target.model.lm_head.weight());
+    let lm_head = DraftVocab::lm_head_rows(Some(&vocab), target.model.lm_head.matrix());
     let mut head = EagleHead::new(
         EagleConfig::for_target(target.model.config(), 2).with_taps(taps),
-        target.model.model.embed_tokens(),
+        target.model.model.embedding(),
         &lm_head,
     )
     .unwrap();
@@ -180,7 +180,7 @@ fn random_eagle3(target: &Target) -> (Eagle3Head, Vec<u32>) {
         [d2t.len() as i64, target.model.config().hidden_size as i64],
         (Kind::Float, Device::Cpu),
     );
-    let mut head = Eagle3Head::new(config, target.model.model.embed_tokens(), &rows).unwrap();
+    let mut head = Eagle3Head::new(config, target.model.model.embedding(), &rows).unwrap();
     head.params.freeze();
     (head, d2t)
 }
@@ -829,7 +829,7 @@ fn greedy_speculative_output_equals_plain_greedy_on_smollm2() {
     tch::manual_seed(3);
     let mut eagle = EagleHead::new(
         EagleConfig::for_target(target.model.config(), 1),
-        target.model.model.embed_tokens(),
+        target.model.model.embedding(),
         target.model.lm_head.weight(),
     )
     .unwrap();
@@ -838,7 +838,7 @@ fn greedy_speculative_output_equals_plain_greedy_on_smollm2() {
     let taps = Eagle3Config::default_taps(config.num_hidden_layers);
     let mut eagle3 = Eagle3Head::new(
         Eagle3Config::for_target(config, taps, config.vocab_size),
-        target.model.model.embed_tokens(),
+        target.model.model.embedding(),
         target.model.lm_head.weight(),
     )
     .unwrap();

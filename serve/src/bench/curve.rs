@@ -6,7 +6,7 @@
 //! that says how far that holds.
 
 use headway_engine::autotune::LatencyProfile;
-use headway_model::quant_kernel::{kernel_isa, int8_mac_rate};
+use headway_model::quant_kernel::{int8_mac_rate, kernel_isa};
 use headway_model::roof::roofline_seconds;
 use headway_model::{KvCache, Target};
 use serde::{Deserialize, Serialize};
