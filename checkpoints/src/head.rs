@@ -31,6 +31,8 @@ pub struct LoadedHead {
     pub head: DraftHead,
     /// The reduced vocabulary the head drafts over, if it was trained with one.
     pub draft_vocab: Option<DraftVocab>,
+    /// The checkpoint's directory and config; its weights are the head's parameters now (moved
+    /// there, not kept twice), so `checkpoint.weights` is empty.
     pub checkpoint: Checkpoint,
     /// How the target it runs on relates to the one it was trained on (callers tell the user
     /// when it is not the same file).
@@ -40,7 +42,7 @@ pub struct LoadedHead {
 /// Loads the checkpoint at `path` (or a training directory's latest), checks that it was trained
 /// on `target` (fingerprint) and builds the head around the target's frozen embedding and LM head.
 pub fn load_head(path: &Path, target: &Target) -> Result<LoadedHead> {
-    let checkpoint = load(path)?;
+    let mut checkpoint = load(path)?;
     let kinship = checkpoint.check_target(&target_identity(&target.path)?)?;
     let draft_vocab = checkpoint
         .config
@@ -87,7 +89,9 @@ pub fn load_head(path: &Path, target: &Target) -> Result<LoadedHead> {
         DraftHead::Eagle(head) => &mut head.params,
         DraftHead::Eagle3(head) => &mut head.params,
     };
-    params.load(&checkpoint.weights).map_err(build)?;
+    params
+        .load(&std::mem::take(&mut checkpoint.weights))
+        .map_err(build)?;
     Ok(LoadedHead {
         head,
         draft_vocab,

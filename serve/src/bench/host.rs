@@ -30,6 +30,13 @@ pub struct HostFigures {
     /// (`None` where `/proc` does not tell).
     pub rss_bytes: Option<u64>,
     pub peak_rss_bytes: Option<u64>,
+    /// Resident set once the target was loaded, and once the method's drafter (its head and
+    /// caches; plain decoding has none) was made beside it: what the method adds to the
+    /// target's own memory (absent in reports from before they were taken).
+    #[serde(default)]
+    pub target_rss_bytes: Option<u64>,
+    #[serde(default)]
+    pub with_drafter_rss_bytes: Option<u64>,
     /// Whether the kernel's peak count restarted after the weights were loaded.
     #[serde(skip)]
     peak_restarted: bool,
@@ -50,6 +57,8 @@ impl HostFigures {
             limit_tokens_per_s: 0.0,
             rss_bytes: None,
             peak_rss_bytes: None,
+            target_rss_bytes: None,
+            with_drafter_rss_bytes: None,
             peak_restarted,
         };
         host.probe(model);
@@ -66,7 +75,7 @@ impl HostFigures {
 
     /// Records the resident set now and its peak.
     pub fn record_memory(&mut self) {
-        self.rss_bytes = status_bytes("VmRSS:");
+        self.rss_bytes = resident_bytes();
         if self.peak_restarted {
             self.peak_rss_bytes = status_bytes("VmHWM:");
         }
@@ -78,7 +87,7 @@ impl HostFigures {
         format!(
             "Host: {} threads read the weights at {:.1} GB/s (best of {} probes); a decoding step \
              reads {:.1} MB of them, so at most {:.0} tokens/s; decoding ran {:.1} tokens/s, {:.0} % \
-             of that. Resident memory {}{}.\n",
+             of that. Resident memory {}{}{}.\n",
             self.threads,
             self.read_bytes_per_s / 1e9,
             self.read_probes,
@@ -89,6 +98,14 @@ impl HostFigures {
             self.rss_bytes.map_or("unknown".into(), megabytes),
             self.peak_rss_bytes
                 .map_or(String::new(), |b| format!(" (peak {})", megabytes(b))),
+            match (self.target_rss_bytes, self.with_drafter_rss_bytes) {
+                (Some(target), Some(drafter)) => format!(
+                    "; {} once the target was loaded, {} with the drafter beside it",
+                    megabytes(target),
+                    megabytes(drafter)
+                ),
+                _ => String::new(),
+            },
         )
     }
 }
@@ -103,6 +120,11 @@ fn step_regions(model: &CausalLm) -> Vec<&[u8]> {
 }
 
 /// A `kB` line of `/proc/self/status` in bytes.
+/// This process's resident set now (`None` where `/proc` does not tell).
+pub fn resident_bytes() -> Option<u64> {
+    status_bytes("VmRSS:")
+}
+
 fn status_bytes(key: &str) -> Option<u64> {
     let status = std::fs::read_to_string("/proc/self/status").ok()?;
     let line = status.lines().find(|l| l.starts_with(key))?;
@@ -142,5 +164,10 @@ mod tests {
         host.record_memory();
         assert!(host.rss_bytes.is_some_and(|b| b > 1 << 20));
         assert!(host.describe(10.0).contains("tokens/s"));
+        (host.target_rss_bytes, host.with_drafter_rss_bytes) =
+            (Some(400_000_000), Some(500_000_000));
+        assert!(host
+            .describe(10.0)
+            .contains("400 MB once the target was loaded, 500 MB with the drafter beside it"));
     }
 }

@@ -21,6 +21,7 @@ use headway_engine::engine::{generate_speculative, SpecGeneration};
 use headway_model::{Message, Sampler, SamplingArgs, SamplingParams, Target, TargetArgs};
 
 pub use curve::RowsCurve;
+use host::resident_bytes;
 pub use host::HostFigures;
 pub use questions::{
     load_questions, spec_bench_category, spread, tuning_questions, Question, QuestionId,
@@ -88,6 +89,7 @@ pub fn run(args: BenchArgs) -> anyhow::Result<()> {
         limit => spread(&all, limit),
     };
     let target = headway_gguf::load_target(&args.target)?;
+    let target_rss = resident_bytes();
     let tuning_prompts: Vec<Vec<u32>> = tuning_questions(&questions)
         .into_iter()
         .map(|q| target.chat_prompt_ids(&[Message::new("user", &q.turns[0])]))
@@ -121,6 +123,7 @@ pub fn run(args: BenchArgs) -> anyhow::Result<()> {
         .min(target.model.config().max_position_embeddings);
     let mut drafter = plan.drafter(&target, capacity)?;
     let mut host = HostFigures::measure(target.cpu.count(), &target.model);
+    (host.target_rss_bytes, host.with_drafter_rss_bytes) = (target_rss, resident_bytes());
     let baseline = !plan.is_ar() && !args.no_baseline;
     let (run, ar) = alternate(
         &target,
