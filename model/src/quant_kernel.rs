@@ -1281,7 +1281,9 @@ mod simd {
 
     /// [`QuantisedRows::quantise_block`] eight values a step, the same values: the maximum is
     /// exact in any order, `x · (1/d)` is one rounding either way, and halves round away from
-    /// zero by the same truncation and comparison as [`super::round_half_away`].
+    /// zero by the same truncation and comparison as [`super::round_half_away`]. The integers
+    /// stay in registers: narrowed by two packs and a permutation, summed as vectors (exact in
+    /// any order); stored through memory and summed one by one they cost three times as much.
     ///
     /// # Safety
     /// AVX2 is available.
@@ -1296,12 +1298,13 @@ mod simd {
         let amax = vectors.iter().fold(_mm256_setzero_ps(), |m, &v| {
             _mm256_max_ps(m, _mm256_andnot_ps(sign, v))
         });
-        let mut lanes = [0f32; LANES];
-        _mm256_storeu_ps(lanes.as_mut_ptr(), amax);
-        let d = lanes.iter().fold(0f32, |a, &v| a.max(v)) / 127.0;
+        let quad = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
+        let pair = _mm_max_ps(quad, _mm_movehl_ps(quad, quad));
+        let amax = _mm_cvtss_f32(_mm_max_ss(pair, _mm_shuffle_ps(pair, pair, 1)));
+        let d = amax / 127.0;
         let inverse = _mm256_set1_ps(if d != 0.0 { 1.0 / d } else { 0.0 });
         let half = _mm256_set1_ps(0.5);
-        let ints: [__m256i; BLOCK / LANES] = vectors.map(|v| {
+        let [a, b, c, e] = vectors.map(|v| {
             let y = _mm256_mul_ps(v, inverse);
             let truncated = _mm256_cvttps_epi32(y);
             let fraction = _mm256_sub_ps(y, _mm256_cvtepi32_ps(truncated));
@@ -1314,16 +1317,23 @@ mod simd {
             ));
             _mm256_add_epi32(_mm256_sub_epi32(truncated, up), down)
         });
-        let mut all = [0i32; BLOCK];
-        for (v, ints) in ints.iter().enumerate() {
-            _mm256_storeu_si256(all.as_mut_ptr().add(v * LANES) as *mut __m256i, *ints);
-        }
-        for (q, &value) in q.iter_mut().zip(&all) {
-            *q = value as i8;
-        }
-        let (first, second) = all.split_at(BLOCK / 2);
-        let first: i32 = first.iter().sum();
-        (d, first + second.iter().sum::<i32>(), first)
+        // Per 128-bit lane the packs give a₀₋₃ b₀₋₃ c₀₋₃ e₀₋₃ | a₄₋₇ b₄₋₇ c₄₋₇ e₄₋₇ (|q| ≤ 127, so
+        // nothing saturates); the permutation puts the four-byte groups back in order.
+        let bytes = _mm256_packs_epi16(_mm256_packs_epi32(a, b), _mm256_packs_epi32(c, e));
+        let order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+        let bytes = _mm256_permutevar8x32_epi32(bytes, order);
+        _mm256_storeu_si256(q.as_mut_ptr() as *mut __m256i, bytes);
+        let first = horizontal_sum_i32(_mm256_add_epi32(a, b));
+        (d, first + horizontal_sum_i32(_mm256_add_epi32(c, e)), first)
+    }
+
+    /// The sum of `v`'s eight lanes.
+    #[inline]
+    #[target_feature(enable = "avx2")]
+    unsafe fn horizontal_sum_i32(v: __m256i) -> i32 {
+        let quad = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+        let pair = _mm_add_epi32(quad, _mm_unpackhi_epi64(quad, quad));
+        _mm_cvtsi128_si32(_mm_add_epi32(pair, _mm_shuffle_epi32(pair, 1)))
     }
 
     /// Independent accumulator chains of [`dot4_rounds_vnni`] and [`dot4_rounds_avx2`]: enough to
