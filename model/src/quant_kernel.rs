@@ -601,13 +601,22 @@ const OCTET_BLOCK: usize = 8;
 /// Activation rows one pass over an octet's unpacked block serves. Eight, one pass for the 5–8
 /// rows of a small verified tree (`--example quant_kernel`, VNNI, 8 rows: Q4_0 2.35 → 2.02 ms,
 /// Q4_1 2.40 → 2.10, Q5_0 2.78 → 2.27); four for the K types, whose per-block scales leave
-/// too few registers for eight rows' sums (8 rows: Q4_K 2.32 → 2.75, Q6_K 3.55 → 4.30 ms).
-fn pass_rows(format: QuantFormat) -> usize {
+/// too few registers for eight rows' sums (8 rows: Q4_K 2.32 → 2.75, Q6_K 3.55 → 4.30 ms), and
+/// for rows longer than [`PASS_ACTIVATION_BYTES`] allows eight of.
+fn pass_rows(format: QuantFormat, cols: usize) -> usize {
     match format {
         QuantFormat::Q4_K | QuantFormat::Q6_K => 4,
+        _ if 8 * cols > PASS_ACTIVATION_BYTES => 4,
         _ => 8,
     }
 }
+
+/// The most bytes of quantised activations a pass of eight rows reads for every octet: each
+/// octet reads them all again, and past this they and the octet's weights no longer stay in L1
+/// together. One thread, AMD Zen 4, VNNI, 8 rows over SmolLM2's `ffn_down` (576 × 1536, 12 KiB
+/// of activations), 30 layers: one pass of eight 2.06–2.42 ms, two of four 1.6–1.9 ms; over
+/// 1536 × 576 (4.5 KiB) both ~1.6–1.7 ms.
+const PASS_ACTIVATION_BYTES: usize = 8 * 1024;
 
 /// Output features a part of a split should start at a multiple of: whole octets, so that two
 /// threads never unpack the same weights.
@@ -636,7 +645,7 @@ pub unsafe fn columns(
         let block_end = (block + OCTET_BLOCK).min(octets.end);
         let mut row = 0;
         while row < rows {
-            let rows_end = (row + pass_rows(w.format())).min(rows);
+            let rows_end = (row + pass_rows(w.format(), w.cols())).min(rows);
             let mut octet = block;
             while octet < block_end {
                 let tile = Tile { row, octet };
@@ -1481,7 +1490,8 @@ mod tests {
     /// column ranges that split octets.
     #[test]
     fn every_instruction_set_and_row_count_gives_the_same_bits() {
-        let sizes = |f| [(f, width(f, 96)), (f, width(f, 352))];
+        // The last too long for eight rows a pass (`PASS_ACTIVATION_BYTES`).
+        let sizes = |f| [(f, width(f, 96)), (f, width(f, 352)), (f, width(f, 1056))];
         for (format, cols) in FORMATS.into_iter().flat_map(sizes) {
             // 131 features: sixteen whole octets and a partial one.
             let out = 131;
