@@ -8,6 +8,9 @@
 //!
 //! cargo run --release -p headway-model --example quant_kernel [-- FORMAT...]
 //! (formats by name, e.g. `Q4_1 Q8_0`; all of them without)
+//!
+//! Environment: `LAYERS` weights (default 30, 16.6 MB of Q4_1: in a large L3; 180 streams them
+//! from memory), `SHAPE=down` for 576 × 1536 (`ffn_down`'s rows of 1,536) in every format.
 
 #[path = "shared/timing.rs"]
 mod timing;
@@ -21,10 +24,14 @@ use headway_model::roof::{read_rate, roofline_seconds};
 
 const OUT: usize = 1536;
 const IN: usize = 576;
-const LAYERS: usize = 30;
 const REPS: usize = 7;
 
 fn main() {
+    let layers: usize = match std::env::var("LAYERS") {
+        Ok(v) => v.parse().expect("LAYERS: a number of weights"),
+        Err(_) => 30,
+    };
+    let down = std::env::var("SHAPE").is_ok_and(|shape| shape == "down");
     let isas: Vec<Isa> = match kernel_isa() {
         Isa::Portable => vec![Isa::Portable],
         _ => Isa::all_available().split_off(1),
@@ -43,10 +50,10 @@ fn main() {
         .filter(|f| wanted.is_empty() || wanted.iter().any(|w| w == f.name()));
     for format in formats {
         let (out, inputs) = match IN % format.row_multiple() {
-            0 => (OUT, IN),
+            0 if !down => (OUT, IN),
             _ => (IN, OUT),
         };
-        let weights: Vec<PackedMatrix> = (0..LAYERS)
+        let weights: Vec<PackedMatrix> = (0..layers)
             .map(|l| {
                 let values: Vec<f32> = (0..out * inputs)
                     .map(|i| ((i * 7 + l) % 13) as f32 * 0.01 - 0.06)
@@ -55,7 +62,7 @@ fn main() {
             })
             .collect();
         let regions: Vec<&[u8]> = weights.iter().map(|w| w.data()).collect();
-        let bytes = (LAYERS * weights[0].bytes()) as f64;
+        let bytes = (layers * weights[0].bytes()) as f64;
         let read = read_rate(1, &regions);
         println!(
             "{} [{out}, {inputs}] ({:.1} MB, read by one thread at {:.1} GB/s): rows, then ms \
@@ -68,7 +75,7 @@ fn main() {
             let x: Vec<f32> = (0..rows * inputs)
                 .map(|i| (i % 5) as f32 * 0.1 - 0.2)
                 .collect();
-            let macs = (LAYERS * rows * out * inputs) as f64;
+            let macs = (layers * rows * out * inputs) as f64;
             let mut y = vec![0f32; rows * out];
             let mut line = format!("{rows:>4}");
             for (&isa, &mac_rate) in isas.iter().zip(&mac_rates) {
