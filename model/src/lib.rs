@@ -7,6 +7,7 @@
 //! explicitly, never hidden in the model. The trunk returns hidden states; the LM head is separate
 //! so callers project only the rows they need.
 
+pub mod allocator;
 pub mod chat;
 pub mod config;
 pub mod cpu;

@@ -40,6 +40,7 @@ enum Command {
 }
 
 fn main() -> ExitCode {
+    headway_model::allocator::return_large_buffers();
     tracing_subscriber::fmt()
         .with_env_filter(
             tracing_subscriber::EnvFilter::try_from_default_env()

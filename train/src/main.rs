@@ -6,6 +6,7 @@ use clap::Parser;
 use headway_train::{run, Cli, Hooks};
 
 fn main() -> ExitCode {
+    headway_model::allocator::return_large_buffers();
     tracing_subscriber::fmt()
         .with_env_filter(tracing_subscriber::EnvFilter::from_default_env())
         .with_writer(std::io::stderr)
