@@ -107,11 +107,10 @@ pub struct EagleHead {
     pub params: Params,
     /// The target's embedding `[vocab, hidden]` as it stores it (shared, never copied), frozen.
     embed: Matrix,
-    /// The target's LM head `[draft vocab, hidden]` (draft-vocabulary rows), frozen.
-    lm_head: Tensor,
+    /// The target's LM head `[draft vocab, hidden]` (draft-vocabulary rows), frozen: f32, or
+    /// the blocks it drafts in ([`Self::draft_in`]).
+    lm_head: Matrix,
     rotary: Rotary,
-    /// The format its matrices draft in ([`Self::draft_in`]; `None`: as trained).
-    drafting_format: Option<QuantFormat>,
 }
 
 impl EagleHead {
@@ -154,8 +153,7 @@ impl EagleHead {
             config,
             params,
             embed: embed.share(),
-            lm_head: lm_head.detach().to_kind(Kind::Float),
-            drafting_format: None,
+            lm_head: Matrix::Dense(lm_head.detach().to_kind(Kind::Float)),
         })
     }
 
@@ -164,10 +162,11 @@ impl EagleHead {
     }
 
     /// From now on [`Self::modules`] runs the head's matrices (fc, its layers', the LM head) in
-    /// `format`, made from the parameters each time: for drafting beside a quantised target, not
-    /// for training (the products are then no longer differentiable).
+    /// `format`, quantised once here and kept only so ([`Params::quantise_matrices`]): for a
+    /// frozen head drafting beside a quantised target; it can no longer train.
     pub fn draft_in(&mut self, format: QuantFormat) {
-        self.drafting_format = Some(format);
+        self.params.quantise_matrices(format);
+        self.lm_head = quantised_matrix(self.lm_head.share(), format);
     }
 
     /// Assembles the head's modules from the current parameters, to run under `cpu` (decoding's
@@ -178,10 +177,9 @@ impl EagleHead {
             true => Some(self.params.get("fc.bias")?.shallow_clone()),
             false => None,
         };
-        let source = &mut self.params.drafting_source(self.drafting_format);
-        let mut matrix = |name: &str| -> Result<Matrix> {
-            Ok(source.matrix(name, &self.params.get(name)?.size())?)
-        };
+        let source = &mut &self.params;
+        let mut matrix =
+            |name: &str| -> Result<Matrix> { Ok(source.matrix(name, &self.params.shape(name)?)?) };
         let fc = Linear::from_matrix(matrix("fc.weight")?, bias);
         let tap_proj = match self.config.taps.is_empty() {
             true => None,
@@ -193,17 +191,12 @@ impl EagleHead {
                 DecoderLayer::load_with(source, &prefix, &self.config.layer, input(index))
             })
             .collect::<std::result::Result<Vec<_>, _>>()?;
-        let lm_head = Matrix::Dense(self.lm_head.shallow_clone());
-        let lm_head = match self.drafting_format {
-            Some(format) => quantised_matrix(lm_head, format),
-            None => lm_head,
-        };
         Ok(EagleModules {
             head: self,
             fc,
             tap_proj,
             layers,
-            lm_head: Linear::from_matrix(lm_head, None),
+            lm_head: Linear::from_matrix(self.lm_head.share(), None),
             cpu,
         })
     }

@@ -87,8 +87,6 @@ impl Eagle3Config {
 pub struct Eagle3Head {
     pub config: Eagle3Config,
     pub params: Params,
-    /// The format its matrices draft in ([`Self::draft_in`]; `None`: as trained).
-    drafting_format: Option<QuantFormat>,
     /// The target's embedding `[vocab, hidden]` as it stores it (shared, never copied), frozen.
     embed: Matrix,
     rotary: Rotary,
@@ -130,7 +128,6 @@ impl Eagle3Head {
             rotary: Rotary::new(c, device),
             config,
             params,
-            drafting_format: None,
             embed: embed.share(),
         })
     }
@@ -140,10 +137,10 @@ impl Eagle3Head {
     }
 
     /// From now on [`Self::modules`] runs the head's matrices (fc, the layer's, the LM head) in
-    /// `format`, made from the parameters each time: for drafting beside a quantised target, not
-    /// for training (the products are then no longer differentiable).
+    /// `format`, quantised once here and kept only so ([`Params::quantise_matrices`]): for a
+    /// frozen head drafting beside a quantised target; it can no longer train.
     pub fn draft_in(&mut self, format: QuantFormat) {
-        self.drafting_format = Some(format);
+        self.params.quantise_matrices(format);
     }
 
     /// Assembles the head's modules from the current parameters, to run under `cpu`. Call again
@@ -151,9 +148,9 @@ impl Eagle3Head {
     pub fn modules(&self, cpu: CpuPolicy) -> Result<Eagle3Modules<'_>> {
         let h = self.config.layer.hidden_size;
         let eps = self.config.layer.rms_norm_eps;
-        let source = &mut self.params.drafting_source(self.drafting_format);
+        let source = &mut &self.params;
         let mut linear = |name: &str| -> Result<Linear> {
-            let shape = self.params.get(name)?.size();
+            let shape = self.params.shape(name)?;
             Ok(Linear::from_matrix(source.matrix(name, &shape)?, None))
         };
         let (fc, lm_head) = (linear(FC)?, linear(LM_HEAD)?);
@@ -555,7 +552,9 @@ mod tests {
         assert!(diff > 0.0 && diff < 0.05 * scale, "|Δ| {diff} of {scale}");
         let same_top = q8.argmax(-1, false).eq_tensor(&dense.argmax(-1, false));
         assert!(same_top.sum(Kind::Int64).int64_value(&[]) >= n - 1);
-        // Q4_1 (`--head-format q4_1`) runs on the same kernels with coarser blocks.
+        // Q4_1 (`--head-format q4_1`) runs on the same kernels with coarser blocks (a head of
+        // the same seed: the Q8_0 one kept no f32 values to quantise again).
+        let mut head = tiny_eagle3_head(5, vec![0, 1], 64);
         head.draft_in(QuantFormat::Q4_1);
         let (q4, q4_quantised) = run(&head);
         let q4_diff = (&q4 - &dense).abs().max().double_value(&[]);
