@@ -54,4 +54,4 @@ pub use mask::TreeInput;
 pub use sampling::{Sampler, SamplingArgs, SamplingParams};
 pub use target::{Target, TargetArgs};
 pub use tokenizer::TextTokenizer;
-pub use weights::{Quantising, RandomWeights, SafetensorsWeights, ShapeRecorder, WeightSource};
+pub use weights::{RandomWeights, SafetensorsWeights, ShapeRecorder, WeightSource};

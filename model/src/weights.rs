@@ -32,30 +32,9 @@ pub trait WeightSource {
     }
 }
 
-/// A source whose dense CPU matrices are handed out quantised to `format` (made from their f32
-/// values by [`quantise`]), for the few-row kernels a quantised target runs on: a head drafting
-/// beside a GGUF then streams a quarter of its f32 bytes per product. `None`, or a matrix whose
-/// rows are no whole number of blocks, passes through as it is.
-pub struct Quantising<S> {
-    pub source: S,
-    pub format: Option<QuantFormat>,
-}
-
-impl<S: WeightSource> WeightSource for Quantising<S> {
-    fn tensor(&mut self, name: &str, shape: &[i64]) -> Result<Tensor> {
-        self.source.tensor(name, shape)
-    }
-
-    fn matrix(&mut self, name: &str, shape: &[i64]) -> Result<Matrix> {
-        let matrix = self.source.matrix(name, shape)?;
-        Ok(match self.format {
-            Some(format) => quantised_matrix(matrix, format),
-            None => matrix,
-        })
-    }
-}
-
-/// `matrix` in `format` where it is a dense CPU matrix of whole blocks, else unchanged.
+/// `matrix` in `format` (made from its f32 values by [`quantise`]) where it is a dense CPU matrix
+/// of whole blocks, else unchanged: a head drafting beside a quantised target then streams a
+/// quarter of its f32 bytes per product.
 pub fn quantised_matrix(matrix: Matrix, format: QuantFormat) -> Matrix {
     let Matrix::Dense(tensor) = &matrix else {
         return matrix;
