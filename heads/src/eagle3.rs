@@ -541,6 +541,19 @@ mod tests {
             (modules.logits(&out), quantised)
         };
         let (dense, dense_quantised) = run(&head);
+        // The same head again for Q4_1 (the Q8_0 one keeps no f32 values to quantise again),
+        // copied rather than redrawn: other tests draw from the shared generator meanwhile.
+        let mut q4_head = Eagle3Head::new(
+            head.config.clone(),
+            &head.embed,
+            head.params.get(LM_HEAD).unwrap(),
+        )
+        .unwrap();
+        let values = head
+            .params
+            .iter()
+            .map(|(n, t)| (n.clone(), t.shallow_clone()));
+        q4_head.params.load(&values.collect()).unwrap();
         head.draft_in(QuantFormat::Q8_0);
         let (q8, q8_quantised) = run(&head);
         assert!(
@@ -552,11 +565,9 @@ mod tests {
         assert!(diff > 0.0 && diff < 0.05 * scale, "|Δ| {diff} of {scale}");
         let same_top = q8.argmax(-1, false).eq_tensor(&dense.argmax(-1, false));
         assert!(same_top.sum(Kind::Int64).int64_value(&[]) >= n - 1);
-        // Q4_1 (`--head-format q4_1`) runs on the same kernels with coarser blocks (a head of
-        // the same seed: the Q8_0 one kept no f32 values to quantise again).
-        let mut head = tiny_eagle3_head(5, vec![0, 1], 64);
-        head.draft_in(QuantFormat::Q4_1);
-        let (q4, q4_quantised) = run(&head);
+        // Q4_1 (`--head-format q4_1`) runs on the same kernels with coarser blocks.
+        q4_head.draft_in(QuantFormat::Q4_1);
+        let (q4, q4_quantised) = run(&q4_head);
         let q4_diff = (&q4 - &dense).abs().max().double_value(&[]);
         assert!(
             q4_quantised && q4_diff > diff && q4_diff < 0.3 * scale,
