@@ -158,14 +158,7 @@ impl WeightSource for &Params {
                 name: name.to_string(),
                 path: "the head's parameters".into(),
             })?;
-        if tensor.size() != shape {
-            return Err(ModelError::Shape {
-                path: "the head's parameters".into(),
-                name: name.to_string(),
-                expected: shape.to_vec(),
-                found: tensor.size(),
-            });
-        }
+        check_shape(name, shape, &tensor.size())?;
         Ok(tensor.shallow_clone())
     }
 
@@ -173,16 +166,22 @@ impl WeightSource for &Params {
         let Some(blocks) = self.quantised.get(name) else {
             return Ok(Matrix::Dense(self.tensor(name, shape)?));
         };
-        if blocks.shape() != shape {
-            return Err(ModelError::Shape {
-                path: "the head's parameters".into(),
-                name: name.to_string(),
-                expected: shape.to_vec(),
-                found: blocks.shape().to_vec(),
-            });
-        }
+        check_shape(name, shape, &blocks.shape())?;
         Ok(blocks.share())
     }
+}
+
+/// An error naming parameter `name` unless it has the `expected` shape.
+fn check_shape(name: &str, expected: &[i64], found: &[i64]) -> headway_model::Result<()> {
+    if found == expected {
+        return Ok(());
+    }
+    Err(ModelError::Shape {
+        path: "the head's parameters".into(),
+        name: name.to_string(),
+        expected: expected.to_vec(),
+        found: found.to_vec(),
+    })
 }
 
 #[cfg(test)]
