@@ -7,10 +7,11 @@
 
 use tch::{Device, Kind, Tensor};
 
+use crate::allocator;
 use crate::config::ModelConfig;
 use crate::cpu::CpuPolicy;
 use crate::kv_cache::KvCache;
-use crate::linear::{Linear, Matrix};
+use crate::linear::{Linear, Matrix, ROW_KERNEL_MAX_ROWS};
 use crate::mask::TreeInput;
 use crate::on_devices::OnDevices;
 use crate::row_attention::{self, KeyMask};
@@ -456,6 +457,8 @@ impl DecoderLayer {
         cpu.enter();
         let past = cache.as_ref().map_or(0, |c| c.len());
         let new = x.size()[1] as usize;
+        // A prefill's ops free buffers of megabytes that the next layer's ask for again.
+        let _reusing = (new > ROW_KERNEL_MAX_ROWS).then(allocator::reuse_large_buffers);
         if let Some(c) = cache.as_deref() {
             c.check_room(new, layers.len())?;
         }
