@@ -240,22 +240,18 @@ impl KvCache {
         let start = self.len as i64;
         self.keys[layer].narrow(2, start, new).copy_(keys);
         self.values[layer].narrow(2, start, new).copy_(values);
-        self.written(layer, new as usize)
-    }
-
-    /// `layer`'s key and value storage, `[batch, kv_heads, capacity, head_dim]`: the few-row
-    /// decoder layer writes its new rows (`len..`) into place, then reads [`Self::written`].
-    pub(crate) fn storage(&self, layer: usize) -> (&Tensor, &Tensor) {
-        (&self.keys[layer], &self.values[layer])
-    }
-
-    /// Views over `layer`'s cached rows and `new` rows written after them.
-    pub(crate) fn written(&self, layer: usize, new: usize) -> (Tensor, Tensor) {
-        let total = (self.len + new) as i64;
+        let total = start + new;
         (
             self.keys[layer].narrow(2, 0, total),
             self.values[layer].narrow(2, 0, total),
         )
+    }
+
+    /// `layer`'s key and value storage, `[batch, kv_heads, capacity, head_dim]`: the few-row
+    /// decoder layer writes its new rows (`len..`) into place and its attention reads them there
+    /// with the cached ones.
+    pub(crate) fn storage(&self, layer: usize) -> (&Tensor, &Tensor) {
+        (&self.keys[layer], &self.values[layer])
     }
 
     pub(crate) fn advance(&mut self, new_tokens: usize) {

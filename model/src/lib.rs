@@ -51,7 +51,7 @@ pub use llama::{
     Rotary,
 };
 pub use mask::TreeInput;
-pub use sampling::{Sampler, SamplingArgs, SamplingParams};
+pub use sampling::{greedy_tokens, Sampler, SamplingArgs, SamplingParams};
 pub use target::{Target, TargetArgs};
 pub use tokenizer::TextTokenizer;
 pub use weights::{RandomWeights, SafetensorsWeights, ShapeRecorder, WeightSource};

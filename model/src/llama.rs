@@ -680,7 +680,7 @@ impl Llama {
             false => t.to_device(home),
         };
         Ok(ForwardOutput {
-            hidden: self.norm.forward(&to_home(x)),
+            hidden: self.norm.forward_rows_where_plain(&to_home(x)),
             taps: taps.into_iter().flatten().map(to_home).collect(),
         })
     }

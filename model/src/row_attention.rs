@@ -83,18 +83,47 @@ pub fn attend(
             token: dim,
         },
     };
-    // SAFETY: both tensors are contiguous f32 `[batch, heads, new, dim]`, alive for the call.
+    let (keys, values) = (cache_rows(keys), cache_rows(values));
+    assert_eq!(values.kind(), keys.kind(), "keys and values of one cache");
+    let [_, kv_heads, len, _] = dims(&keys);
+    let strides = |t: &Tensor| [t.stride()[0] as usize, t.stride()[1] as usize];
+    let cached = KeyValueRows {
+        keys: keys.data_ptr() as usize,
+        values: values.data_ptr() as usize,
+        elements: Dtype::of_kind(keys.kind()).expect("`applies` checked the keys' kind"),
+        kv_heads,
+        len,
+        key_strides: strides(&keys),
+        value_strides: strides(&values),
+    };
+    // SAFETY: both query and output tensors are contiguous f32 `[batch, heads, new, dim]`, the
+    // keys and values `[batch, kv_heads, len, dim]` rows as `cached` describes; all alive for
+    // the call.
     unsafe {
         attend_rows(
             queries32.data_ptr() as *const f32,
             layout,
-            (keys, values),
+            cached,
             mask,
             (out.data_ptr() as *mut f32, layout.strides),
             pool,
         )
     };
     out.to_kind(kind)
+}
+
+/// Keys and values `[batch, kv_heads, len, dim]` where [`attend_rows`] reads them: rows of `dim`
+/// contiguous elements of `elements` from `keys` and `values` (addresses), their batch and head
+/// strides in elements (a cache's heads lie its capacity apart).
+#[derive(Clone, Copy)]
+pub(crate) struct KeyValueRows {
+    pub keys: usize,
+    pub values: usize,
+    pub elements: Dtype,
+    pub kv_heads: usize,
+    pub len: usize,
+    pub key_strides: [usize; 2],
+    pub value_strides: [usize; 2],
 }
 
 /// Element strides of query or output row `(batch, head, token)`; each row's `dim` features are
@@ -120,13 +149,13 @@ pub(crate) struct RowLayout {
 /// few-row layer), writing each output row at `out.1`'s strides from `out.0`.
 ///
 /// # Safety
-/// `queries` addresses the rows `layout` describes and `out.0` as many rows at `out.1`, all
-/// alive for the call, the output rows written by nobody else; the keys and values satisfy
-/// [`applies`] and `[batch, kv_heads, len, dim]`.
+/// `queries` addresses the rows `layout` describes, `cached` its batch's keys and values, and
+/// `out.0` as many rows at `out.1`, all alive for the call, the output rows written by nobody
+/// else.
 pub(crate) unsafe fn attend_rows(
     queries: *const f32,
     layout: RowLayout,
-    (keys, values): (&Tensor, &Tensor),
+    cached: KeyValueRows,
     mask: KeyMask,
     out: (*mut f32, RowStrides),
     pool: &SpinPool,
@@ -138,10 +167,7 @@ pub(crate) unsafe fn attend_rows(
         dim,
         ..
     } = layout;
-    let (keys, values) = (cache_rows(keys), cache_rows(values));
-    let elements = Dtype::of_kind(keys.kind()).expect("`applies` checked the keys' kind");
-    assert_eq!(values.kind(), keys.kind(), "keys and values of one cache");
-    let [_, kv_heads, len, _] = dims(&keys);
+    let KeyValueRows { kv_heads, len, .. } = cached;
     // The mask's bytes, kept alive here while the pool's threads read them.
     let given_mask = match mask {
         KeyMask::Given(m) => Some(m.to_kind(Kind::Bool).contiguous()),
@@ -166,11 +192,11 @@ pub(crate) unsafe fn attend_rows(
     let pointers = Pointers {
         queries: queries as usize,
         query_strides: layout.strides,
-        keys: keys.data_ptr() as usize,
-        values: values.data_ptr() as usize,
-        elements,
-        key_strides: [keys.stride()[0] as usize, keys.stride()[1] as usize],
-        value_strides: [values.stride()[0] as usize, values.stride()[1] as usize],
+        keys: cached.keys,
+        values: cached.values,
+        elements: cached.elements,
+        key_strides: cached.key_strides,
+        value_strides: cached.value_strides,
         out: out.0 as usize,
         out_strides: out.1,
         mask: given_mask.as_ref().map_or(0, |m| m.data_ptr() as usize),

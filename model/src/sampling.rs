@@ -13,6 +13,7 @@ use serde::{Deserialize, Serialize};
 use tch::{Kind, Tensor};
 
 use crate::error::{ModelError, Result};
+use crate::linear::{f32_slice, plain_cpu_f32};
 
 /// How to pick each token. Temperature 0 means greedy (argmax); top-k 0, top-p 1 and min-p 0 are
 /// off. Built only through [`SamplingParams::new`], so every value holds its rules.
@@ -202,6 +203,66 @@ pub struct Sampler {
     rng: StdRng,
 }
 
+/// Each row's argmax of `logits` `[n, vocab]`, as libtorch's `argmax` picks it (the first
+/// largest, NaN above all): read in place from contiguous f32 CPU logits (libtorch's argmax and
+/// the copy out cost a plain decoding step about 1 %), else by libtorch.
+pub fn greedy_tokens(logits: &Tensor) -> Vec<u32> {
+    if !(plain_cpu_f32(logits) && logits.is_contiguous() && logits.dim() == 2) {
+        let argmax = logits.argmax(-1, false).to_device(tch::Device::Cpu);
+        return Vec::<i64>::try_from(argmax)
+            .expect("argmax gives i64 indices")
+            .into_iter()
+            .map(|t| t as u32)
+            .collect();
+    }
+    let vocab = logits.size()[1] as usize;
+    f32_slice(logits)
+        .chunks_exact(vocab.max(1))
+        .map(|row| first_largest(row) as u32)
+        .collect()
+}
+
+/// The index of the first largest of `row`, a NaN counting as larger than any number (its
+/// first). Eight lanes each keep their largest and where they first saw it (and whether they saw
+/// a NaN); the lowest index of the lanes' largest is then the first.
+fn first_largest(row: &[f32]) -> usize {
+    const LANES: usize = 8;
+    let whole = row.len() / LANES * LANES;
+    let (mut largest, mut first) = ([f32::NEG_INFINITY; LANES], [0u32; LANES]);
+    let mut nan = [false; LANES];
+    for (c, chunk) in row[..whole].chunks_exact(LANES).enumerate() {
+        for lane in 0..LANES {
+            let v = chunk[lane];
+            nan[lane] |= v.is_nan();
+            let larger = v > largest[lane];
+            largest[lane] = if larger { v } else { largest[lane] };
+            first[lane] = if larger {
+                (c * LANES + lane) as u32
+            } else {
+                first[lane]
+            };
+        }
+    }
+    if nan.contains(&true) || row[whole..].iter().any(|v| v.is_nan()) {
+        return row.iter().position(|v| v.is_nan()).unwrap_or(0);
+    }
+    let lanes = largest.into_iter().zip(first.map(|i| i as usize));
+    let tail = row[whole..]
+        .iter()
+        .enumerate()
+        .map(|(i, &v)| (v, whole + i));
+    lanes
+        .chain(tail)
+        .fold((f32::NEG_INFINITY, 0), |best, (v, i)| {
+            if v > best.0 || (v == best.0 && i < best.1) {
+                (v, i)
+            } else {
+                best
+            }
+        })
+        .1
+}
+
 impl Sampler {
     pub fn new(params: SamplingParams) -> Self {
         Self {
@@ -217,7 +278,7 @@ impl Sampler {
     /// The next token for `logits` (`[vocab]`).
     pub fn next_token(&mut self, logits: &Tensor) -> u32 {
         if self.params.is_greedy() {
-            return logits.argmax(0, false).int64_value(&[]) as u32;
+            return greedy_tokens(&logits.view([1, -1]))[0];
         }
         let probs = self.params.distribution(logits);
         self.sample(&probs)
@@ -300,6 +361,40 @@ mod tests {
         assert_eq!(kept, vec![0, 4]);
         let only_top = to_vec(&params(1.0, 0, 0.1).distribution(&logits()));
         assert_eq!(only_top[4], 1.0);
+    }
+
+    /// Rows of ties, NaNs, infinities and lengths around the lanes' width, each equal to
+    /// libtorch's argmax (and so is a non-contiguous view, which libtorch itself serves).
+    #[test]
+    fn greedy_tokens_are_libtorchs_argmax() {
+        let (nan, inf) = (f32::NAN, f32::INFINITY);
+        let rows: Vec<Vec<f32>> = vec![
+            vec![1.0, 3.0, 3.0, 2.0],
+            vec![-inf; 9],
+            vec![0.0, 1.0, nan, 5.0, nan, 9.0, 1.0, 2.0, 3.0, 4.0, 5.0],
+            vec![
+                5.0, 1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0, 7.0, 1.0, 7.0, 0.0, 7.0, 7.0, 7.0, 7.0, 7.0,
+            ],
+            vec![-1.0, -1.0, -1.0, -1.0, -1.0, -1.0, -1.0, -1.0, 3.0, nan],
+            vec![inf, 1.0, inf],
+            vec![2.5],
+        ];
+        for row in &rows {
+            let t = Tensor::from_slice(row).view([1, -1]);
+            let expected = t.argmax(-1, false).int64_value(&[0]) as u32;
+            assert_eq!(greedy_tokens(&t), [expected], "{row:?}");
+        }
+        let random = Tensor::randn([5, 1000], (Kind::Float, tch::Device::Cpu));
+        let expected: Vec<u32> = Vec::<i64>::try_from(random.argmax(-1, false))
+            .unwrap()
+            .into_iter()
+            .map(|t| t as u32)
+            .collect();
+        assert_eq!(greedy_tokens(&random), expected);
+        assert_eq!(
+            greedy_tokens(&random.tr().tr().transpose(0, 1).t_()),
+            expected
+        );
     }
 
     #[test]

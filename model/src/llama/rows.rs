@@ -18,7 +18,7 @@ use crate::kv_cache::KvCache;
 use crate::linear::{
     even_part, f32_slice, f32_slice_mut, plain_cpu_f32, ColumnSplit, Linear, ROW_KERNEL_MAX_ROWS,
 };
-use crate::row_attention::{self, RowLayout, RowStrides};
+use crate::row_attention::{self, KeyValueRows, RowLayout, RowStrides};
 use crate::row_kernel;
 use crate::spin_pool::SpinPool;
 use crate::{kv_elements, Dtype};
@@ -207,7 +207,7 @@ impl Attention {
         };
         self.qkv_proj
             .forward_rows_split(input, &mut qkv, pool, &split);
-        let (keys, values) = cache.written(ctx.layer, new);
+        let cached = cache_rows.written();
         let mut out = vec![0f32; batch * new * heads * dim];
         let queries = RowLayout {
             batch,
@@ -226,13 +226,13 @@ impl Attention {
             token: heads * dim,
         };
         // SAFETY: `qkv` holds the query rows `queries` describes (each row's heads first), `out`
-        // the output rows at `out_strides`; both outlive the call; the cache views are CPU
-        // tensors of `[batch, kv_heads, len, dim]` (`runs_rows`), where `applies` holds.
+        // the output rows at `out_strides`; both outlive the call, as does the cache `cached`
+        // reads (borrowed by `ctx`).
         unsafe {
             row_attention::attend_rows(
                 qkv.as_ptr(),
                 queries,
-                (&keys, &values),
+                cached,
                 ctx.key_mask(),
                 (out.as_mut_ptr(), out_strides),
                 pool,
@@ -274,6 +274,21 @@ impl CacheRows {
             new,
             kv_heads,
             dim,
+        }
+    }
+
+    /// The cached rows and the new ones after them, as row attention reads them.
+    fn written(&self) -> KeyValueRows {
+        let head = self.capacity * self.dim;
+        let strides = [self.kv_heads * head, head];
+        KeyValueRows {
+            keys: self.keys,
+            values: self.values,
+            elements: self.elements,
+            kv_heads: self.kv_heads,
+            len: self.past + self.new,
+            key_strides: strides,
+            value_strides: strides,
         }
     }
 
@@ -513,9 +528,12 @@ mod tests {
         let ops = layer.forward_ops(&x, None, &rope, &mut context(Some(&mut ops_cache), &cpu));
         let diff = (&rows - &ops).abs().max().double_value(&[]);
         assert!(diff < 1e-4, "max |Δ| {diff}");
-        let (rows_kv, ops_kv) = (rows_cache.written(0, 5), ops_cache.written(0, 5));
-        for (a, b) in [(&rows_kv.0, &ops_kv.0), (&rows_kv.1, &ops_kv.1)] {
-            let diff = (a - b).abs().max().double_value(&[]);
+        let (rows_kv, ops_kv) = (rows_cache.storage(0), ops_cache.storage(0));
+        for (a, b) in [(rows_kv.0, ops_kv.0), (rows_kv.1, ops_kv.1)] {
+            let diff = (a.narrow(2, 0, 5) - b.narrow(2, 0, 5))
+                .abs()
+                .max()
+                .double_value(&[]);
             assert!(diff < 1e-4, "cache rows differ by {diff}");
         }
         assert!(

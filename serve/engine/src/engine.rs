@@ -9,8 +9,8 @@
 use std::time::Instant;
 
 use headway_model::{
-    check_request, CpuPolicy, ForwardInput, Generation, KvCache, Sampler, SamplingParams,
-    StopReason, Target, TreeInput,
+    check_request, greedy_tokens, CpuPolicy, ForwardInput, Generation, KvCache, Sampler,
+    SamplingParams, StopReason, Target, TreeInput,
 };
 use tch::{Kind, Tensor};
 
@@ -137,9 +137,7 @@ impl<'t> Session<'t> {
             .to_kind(Kind::Float);
         let verified_at = started.elapsed().as_secs_f64();
         let Accepted { path, bonus } = if sampler.params().is_greedy() {
-            let argmax =
-                Vec::<i64>::try_from(logits.argmax(-1, false).to_device(tch::Device::Cpu))?;
-            accept_greedy(&tree, &argmax.iter().map(|&t| t as u32).collect::<Vec<_>>())
+            accept_greedy(&tree, &greedy_tokens(&logits))
         } else {
             let params = *sampler.params();
             let mut distribution = |entry: usize| {
