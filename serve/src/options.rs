@@ -8,7 +8,7 @@ use anyhow::{bail, Context};
 use headway_checkpoints::{load_head, DraftHead, LoadedHead};
 use headway_engine::acceptance::Acceptance;
 use headway_engine::autotune::{tune_eagle, tune_medusa, Tuning};
-use headway_engine::drafters::{EagleTreeShape, LookupDrafter};
+use headway_engine::drafters::{most_grafted, EagleTreeShape, LookupDrafter};
 use headway_engine::tree::TreeChoices;
 use headway_engine::{DraftPlan, ModelDraft};
 use headway_heads::FeatureHead;
@@ -159,9 +159,9 @@ impl std::fmt::Display for TreeTokens {
 }
 
 /// The largest tree `--tree-tokens auto` considers beside `lookup`'s chain: what fits, with the
-/// root, in the rows verified exactly.
+/// root and the chain's grafted tokens, in the rows verified exactly.
 fn auto_max_tree_tokens(lookup: Option<&LookupDrafter>) -> usize {
-    (ROW_KERNEL_MAX_ROWS - 1).saturating_sub(lookup.map_or(0, |l| l.num_tokens))
+    (ROW_KERNEL_MAX_ROWS - 1).saturating_sub(lookup.map_or(0, |l| most_grafted(l.num_tokens)))
 }
 
 /// New tokens of each `--tree-tokens auto` warm-up prompt.

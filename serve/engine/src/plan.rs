@@ -7,8 +7,8 @@ use headway_heads::{Eagle3Head, EagleHead, MedusaHeads};
 use headway_model::{Target, ROW_KERNEL_MAX_ROWS};
 
 use crate::drafters::{
-    DraftModelDrafter, Drafter, EagleDrafter, EagleTreeShape, LookupDrafter, MedusaDrafter,
-    NoDrafter, WithLookup,
+    most_nodes, DraftModelDrafter, Drafter, EagleDrafter, EagleTreeShape, LookupDrafter,
+    MedusaDrafter, NoDrafter, WithLookup,
 };
 use crate::error::{EngineError, Result};
 use crate::tree::TreeChoices;
@@ -91,15 +91,16 @@ impl DraftPlan {
         }
     }
 
-    /// The most rows one verification takes: the root, the drafted tree and a grafted lookup
-    /// chain (its first tokens may share the tree's nodes, not more).
+    /// The most rows one verification takes: the root and the drafted tree, with a lookup
+    /// chain grafted on or verified alone ([`most_nodes`]).
     pub fn max_verified_rows(&self) -> usize {
         1 + match self {
             Self::Ar => 0,
             Self::Lookup(lookup) => lookup.num_tokens,
-            Self::Model { draft, with_lookup } => {
-                draft.max_nodes() + with_lookup.map_or(0, |lookup| lookup.num_tokens)
-            }
+            Self::Model { draft, with_lookup } => match with_lookup {
+                Some(lookup) => most_nodes(draft.max_nodes(), lookup.num_tokens),
+                None => draft.max_nodes(),
+            },
         }
     }
 

@@ -15,8 +15,8 @@ pub(crate) use eagle::tests::tiny_frozen_head;
 pub use eagle::{best_subtree, Candidate, DraftRecord, EagleDrafter, EagleTreeShape};
 pub use lookup::LookupDrafter;
 pub use medusa::{GuessRecord, MedusaDrafter, RECORDED_RANKS};
-pub(crate) use with_lookup::lookup_alone;
-pub use with_lookup::WithLookup;
+pub(crate) use with_lookup::{lookup_alone, most_nodes};
+pub use with_lookup::{most_grafted, WithLookup};
 
 use headway_model::Sampler;
 use tch::Tensor;

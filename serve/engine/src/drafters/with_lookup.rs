@@ -34,6 +34,19 @@ pub(crate) fn lookup_alone(chain: &[u32]) -> Option<DraftTree> {
         .then(|| DraftTree::chain(chain, std::iter::repeat(Proposal::Deterministic)))
 }
 
+/// The most tokens of a lookup chain of up to `lookup_tokens` that are grafted onto the model's
+/// tree: longer chains go alone.
+pub fn most_grafted(lookup_tokens: usize) -> usize {
+    lookup_tokens.min(LOOKUP_ALONE_FROM - 1)
+}
+
+/// The most nodes a step verifies for a model drafting up to `model_nodes` with lookup chains of
+/// up to `lookup_tokens` beside it: a chain long enough to go alone, or the model's tree with the
+/// shorter chain grafted on.
+pub(crate) fn most_nodes(model_nodes: usize, lookup_tokens: usize) -> usize {
+    (model_nodes + most_grafted(lookup_tokens)).max(lookup_tokens)
+}
+
 impl Drafter for WithLookup<'_> {
     /// The model's tree with the lookup chain added as a deterministic path; a prefix of the
     /// chain that the model drafted too is shared (see [`DraftTree::graft_chain`]), so lossless
@@ -50,7 +63,7 @@ impl Drafter for WithLookup<'_> {
     }
 
     fn max_tree_tokens(&self) -> usize {
-        self.model.max_tree_tokens() + self.lookup.num_tokens
+        most_nodes(self.model.max_tree_tokens(), self.lookup.num_tokens)
     }
 
     fn taps(&self) -> &[usize] {
@@ -63,5 +76,24 @@ impl Drafter for WithLookup<'_> {
 
     fn reset(&mut self) {
         self.model.reset();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A chain of one token is grafted onto the model's tree; one of two or more is verified
+    /// alone, so it never adds to the tree's nodes.
+    #[test]
+    fn a_step_verifies_the_tree_with_one_grafted_token_or_a_chain_alone() {
+        assert_eq!(most_grafted(0), 0);
+        assert_eq!(most_grafted(1), 1);
+        assert_eq!(most_grafted(6), 1);
+        assert_eq!(most_nodes(62, 6), 63);
+        assert_eq!(most_nodes(1, 6), 6);
+        assert_eq!(most_nodes(8, 0), 8);
+        assert!(lookup_alone(&[1]).is_none());
+        assert_eq!(lookup_alone(&[1, 2]).map(|t| t.len()), Some(2));
     }
 }
