@@ -192,11 +192,7 @@ pub(crate) unsafe fn attend_rows(
     let pointers = Pointers {
         queries: queries as usize,
         query_strides: layout.strides,
-        keys: cached.keys,
-        values: cached.values,
-        elements: cached.elements,
-        key_strides: cached.key_strides,
-        value_strides: cached.value_strides,
+        cached,
         out: out.0 as usize,
         out_strides: out.1,
         mask: given_mask.as_ref().map_or(0, |m| m.data_ptr() as usize),
@@ -240,17 +236,13 @@ enum Allowed {
     },
 }
 
-/// Addresses of the f32 tensors (and the bool mask), passed to the pool's threads; keys and values
-/// (of `elements`) with their batch and head strides in elements.
+/// Addresses of the f32 tensors (and the bool mask), passed to the pool's threads, beside the
+/// keys and values they read.
 #[derive(Clone, Copy)]
 struct Pointers {
     queries: usize,
     query_strides: RowStrides,
-    keys: usize,
-    values: usize,
-    elements: Dtype,
-    key_strides: [usize; 2],
-    value_strides: [usize; 2],
+    cached: KeyValueRows,
     out: usize,
     out_strides: RowStrides,
     mask: usize,
@@ -298,12 +290,12 @@ impl Shape {
         let dim = self.dim;
         let kv_block = first / (self.group * self.new);
         let (batch, kv_head) = (kv_block / self.kv_heads, kv_block % self.kv_heads);
-        let bytes = pointers.elements.bytes();
+        let bytes = pointers.cached.elements.bytes();
         let at = |[batch_stride, head_stride]: [usize; 2]| {
             (batch * batch_stride + kv_head * head_stride) * bytes
         };
-        let keys = (pointers.keys as *const u8).add(at(pointers.key_strides));
-        let values = (pointers.values as *const u8).add(at(pointers.value_strides));
+        let keys = (pointers.cached.keys as *const u8).add(at(pointers.cached.key_strides));
+        let values = (pointers.cached.values as *const u8).add(at(pointers.cached.value_strides));
         for chunk in (first..end).step_by(CHUNK_ROWS) {
             let rows: Vec<Row> = (chunk..(chunk + CHUNK_ROWS).min(end))
                 .map(|row| Row {
@@ -320,7 +312,7 @@ impl Shape {
                 })
                 .collect();
             let scale = self.scale;
-            match pointers.elements {
+            match pointers.cached.elements {
                 Dtype::F32 => {
                     kernel::attend_chunk::<f32>(rows, scale, keys.cast(), values.cast(), scratch)
                 }
