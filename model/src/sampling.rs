@@ -278,7 +278,7 @@ impl Sampler {
     /// The next token for `logits` (`[vocab]`).
     pub fn next_token(&mut self, logits: &Tensor) -> u32 {
         if self.params.is_greedy() {
-            return greedy_tokens(&logits.view([1, -1]))[0];
+            return greedy_tokens(&logits.reshape([1, -1]))[0];
         }
         let probs = self.params.distribution(logits);
         self.sample(&probs)
