@@ -5,6 +5,8 @@
 //! (one GEMV instead of three or two, and rotary embedding applied to q and k in one op), built by
 //! concatenating the HF tensors at load time.
 
+use std::sync::RwLock;
+
 use tch::{Device, Kind, Tensor};
 
 use crate::allocator;
@@ -77,7 +79,23 @@ impl RmsNorm {
 /// ids (so tree nodes at equal depth share a position).
 pub struct Rotary {
     inv_freq: Tensor,
+    /// On the CPU, the f32 cos and sin rows of every position reached so far, computed by
+    /// libtorch's ops in blocks (the same bits: each element is one product and one `cos` or
+    /// `sin`, whatever tensor it lies in): a forward gathers its positions' rows instead of
+    /// running eight ops, at every decoding step and every draft depth.
+    table: RwLock<RotaryTable>,
 }
+
+/// Rows `0..len` of [`Rotary`]'s table, `head_dim` floats each.
+#[derive(Default)]
+struct RotaryTable {
+    len: usize,
+    cos: Vec<f32>,
+    sin: Vec<f32>,
+}
+
+/// Positions a table grows by at least, so that decoding extends it once in a while.
+const ROTARY_TABLE_BLOCK: usize = 512;
 
 impl Rotary {
     pub fn new(config: &ModelConfig, device: tch::Device) -> Self {
@@ -91,14 +109,71 @@ impl Rotary {
         let inv_freq: Vec<f32> = inv_freq.into_iter().map(|f| f as f32).collect();
         Self {
             inv_freq: Tensor::from_slice(&inv_freq).to_device(device),
+            table: RwLock::default(),
         }
     }
 
-    /// `(cos, sin)` of shape `[batch, new, 1, head_dim]` in `kind`, for positions `[batch, new]`.
+    /// `(cos, sin)` of shape `[batch, new, 1, head_dim]` in `kind`, for positions `[batch, new]`:
+    /// gathered from the table for f32 on the CPU, else computed.
     pub fn cos_sin(&self, positions: &Tensor, kind: Kind) -> (Tensor, Tensor) {
+        let tabled = kind == Kind::Float
+            && self.inv_freq.device() == Device::Cpu
+            && positions.device() == Device::Cpu;
+        let gathered = tabled.then(|| self.gathered(positions)).flatten();
+        gathered.unwrap_or_else(|| self.computed(positions, kind))
+    }
+
+    /// `(cos, sin)` by libtorch's ops.
+    fn computed(&self, positions: &Tensor, kind: Kind) -> (Tensor, Tensor) {
         let freqs = positions.to_kind(Kind::Float).unsqueeze(-1) * &self.inv_freq;
         let angles = Tensor::cat(&[&freqs, &freqs], -1).unsqueeze(2);
         (angles.cos().to_kind(kind), angles.sin().to_kind(kind))
+    }
+
+    /// `(cos, sin)` in f32 from the table, extended first where `positions` go past it; `None`
+    /// for a negative position (the ops name nothing wrong there; they compute it).
+    fn gathered(&self, positions: &Tensor) -> Option<(Tensor, Tensor)> {
+        let ids = Vec::<i64>::try_from(positions.to_kind(Kind::Int64).reshape([-1])).ok()?;
+        let ids: Vec<usize> = ids
+            .into_iter()
+            .map(usize::try_from)
+            .collect::<std::result::Result<_, _>>()
+            .ok()?;
+        let needed = ids.iter().max().map_or(0, |&p| p + 1);
+        if self.read_table().len < needed {
+            self.extend_table(needed);
+        }
+        let table = self.read_table();
+        let dim = self.inv_freq.numel() * 2;
+        let rows = |values: &[f32]| -> Vec<f32> {
+            ids.iter()
+                .flat_map(|&p| &values[p * dim..(p + 1) * dim])
+                .copied()
+                .collect()
+        };
+        let mut shape = positions.size();
+        shape.extend([1, dim as i64]);
+        let tensor = |values: Vec<f32>| Tensor::from_slice(&values).view(shape.as_slice());
+        Some((tensor(rows(&table.cos)), tensor(rows(&table.sin))))
+    }
+
+    fn read_table(&self) -> std::sync::RwLockReadGuard<'_, RotaryTable> {
+        self.table.read().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Grows the table to at least `needed` positions, one block of positions per computation
+    /// (a block's elements stay within one vectorised run of libtorch's `cos` and `sin`).
+    fn extend_table(&self, needed: usize) {
+        let mut table = self.table.write().unwrap_or_else(|e| e.into_inner());
+        while table.len < needed {
+            let (first, end) = (table.len as i64, (table.len + ROTARY_TABLE_BLOCK) as i64);
+            let positions = Tensor::arange_start(first, end, (Kind::Int64, Device::Cpu));
+            let (cos, sin) = self.computed(&positions.unsqueeze(0), Kind::Float);
+            let floats = |t: Tensor| Vec::<f32>::try_from(t.reshape([-1])).expect("f32 CPU rows");
+            table.cos.extend(floats(cos));
+            table.sin.extend(floats(sin));
+            table.len += ROTARY_TABLE_BLOCK;
+        }
     }
 }
 

@@ -42,7 +42,8 @@ pub fn tiny_config() -> ModelConfig {
     resolve_tiny_config(tiny_config_json())
 }
 
-fn resolve_tiny_config(json: serde_json::Value) -> ModelConfig {
+/// `json` resolved as a model directory's `config.json` would be.
+pub(crate) fn resolve_tiny_config(json: serde_json::Value) -> ModelConfig {
     let raw: crate::config::HfConfig =
         serde_json::from_value(json).expect("the tiny config is valid");
     raw.resolve(Path::new("tiny/config.json"))

@@ -498,6 +498,49 @@ mod tests {
         }
     }
 
+    /// Rotary rows gathered from the table are the ops' own, bit for bit, for SmolLM2's and
+    /// Llama's head widths, in any order, across the table's blocks and after it grows.
+    #[test]
+    fn rotary_table_rows_are_the_ops_bits() {
+        for (heads, kv_heads, theta) in [(9, 3, 100_000.0), (8, 2, 500_000.0)] {
+            let mut json = crate::testing::tiny_config_json();
+            json["hidden_size"] = (64 * heads).into();
+            json["num_attention_heads"] = heads.into();
+            json["num_key_value_heads"] = kv_heads.into();
+            json["rope_theta"] = theta.into();
+            json["max_position_embeddings"] = 4096.into();
+            let config = crate::testing::resolve_tiny_config(json);
+            let rotary = super::super::Rotary::new(&config, Device::Cpu);
+            let batches: [&[i64]; 3] = [
+                &[5],
+                &[0, 7, 511, 512, 1300, 3, 2, 2, 9, 1000, 0, 64],
+                &[2047],
+            ];
+            for positions in batches {
+                let positions =
+                    Tensor::from_slice(positions).view([2.min(positions.len() as i64), -1]);
+                let (cos, sin) = rotary.cos_sin(&positions, Kind::Float);
+                let (want_cos, want_sin) = rotary.computed(&positions, Kind::Float);
+                assert_eq!(cos.size(), want_cos.size());
+                for (got, want) in [(cos, want_cos), (sin, want_sin)] {
+                    let bits = |t: &Tensor| -> Vec<u32> {
+                        Vec::<f32>::try_from(t.reshape([-1]))
+                            .unwrap()
+                            .iter()
+                            .map(|v| v.to_bits())
+                            .collect()
+                    };
+                    assert_eq!(
+                        bits(&got),
+                        bits(&want),
+                        "head_dim {}: {positions:?}",
+                        config.head_dim
+                    );
+                }
+            }
+        }
+    }
+
     /// The few-row layer takes cached decoding and verification, computes what libtorch's ops
     /// compute (its own norm sums differ in the last bits) and writes the same cache rows; it
     /// declines what it does not run.
