@@ -263,6 +263,54 @@ fn first_largest(row: &[f32]) -> usize {
         .1
 }
 
+/// `log Σ exp(row)`, the normaliser of a log-softmax (`log p = logit − log_sum_exp(row)`), shifted
+/// by the row's largest so that no term overflows: a draft depth's log-probabilities without
+/// libtorch's reduction, which cost a tenth of EAGLE-3's drafting. Within a few ulp of
+/// libtorch's `logsumexp`; NaN where the row holds one, −∞ for an empty row or one of −∞ only.
+pub fn log_sum_exp(row: &[f32]) -> f32 {
+    let largest = row.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+    if row.iter().any(|v| v.is_nan()) {
+        return f32::NAN;
+    }
+    if !largest.is_finite() {
+        return largest;
+    }
+    largest + sum_exp_below(row, largest).ln()
+}
+
+/// `Σ exp(v − largest)` over `row`, every `v ≤ largest`: eight lanes at a time on the row
+/// kernel's instruction sets.
+fn sum_exp_below(row: &[f32], largest: f32) -> f32 {
+    #[cfg(target_arch = "x86_64")]
+    if crate::row_kernel::available() {
+        // SAFETY: AVX2 and FMA were just detected.
+        return unsafe { sum_exp_below_avx2(row, largest) };
+    }
+    row.iter().map(|&v| (v - largest).exp()).sum()
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn sum_exp_below_avx2(row: &[f32], largest: f32) -> f32 {
+    use std::arch::x86_64::*;
+    const LANES: usize = 8;
+    let shift = _mm256_set1_ps(largest);
+    let mut sum = _mm256_setzero_ps();
+    let chunks = row.chunks_exact(LANES);
+    let tail: f32 = chunks
+        .remainder()
+        .iter()
+        .map(|&v| (v - largest).exp())
+        .sum();
+    for chunk in chunks {
+        let shifted = _mm256_sub_ps(_mm256_loadu_ps(chunk.as_ptr()), shift);
+        sum = _mm256_add_ps(sum, crate::row_attention::exp_nonpositive(shifted));
+    }
+    let mut lanes = [0f32; LANES];
+    _mm256_storeu_ps(lanes.as_mut_ptr(), sum);
+    lanes.iter().sum::<f32>() + tail
+}
+
 impl Sampler {
     pub fn new(params: SamplingParams) -> Self {
         Self {
@@ -361,6 +409,35 @@ mod tests {
         assert_eq!(kept, vec![0, 4]);
         let only_top = to_vec(&params(1.0, 0, 0.1).distribution(&logits()));
         assert_eq!(only_top[4], 1.0);
+    }
+
+    /// Log-normalisers of rows of several lengths and scales, and of the edge rows, against
+    /// libtorch's `logsumexp`.
+    #[test]
+    fn log_sum_exp_is_libtorchs() {
+        for (len, scale) in [
+            (1, 1.0),
+            (7, 3.0),
+            (8, 0.1),
+            (100, 10.0),
+            (8192, 5.0),
+            (49_152, 30.0),
+        ] {
+            let row = Tensor::randn([len], (Kind::Float, tch::Device::Cpu)) * scale;
+            let expected = row.logsumexp([0], false).double_value(&[]) as f32;
+            let got = log_sum_exp(&Vec::<f32>::try_from(&row).unwrap());
+            let tolerance = 4.0 * f32::EPSILON * expected.abs().max(1.0);
+            assert!(
+                (got - expected).abs() <= tolerance,
+                "{len} × {scale}: {got} vs {expected}"
+            );
+        }
+        let (nan, inf) = (f32::NAN, f32::INFINITY);
+        assert!(log_sum_exp(&[1.0, nan, 2.0]).is_nan());
+        assert_eq!(log_sum_exp(&[-inf, -inf]), -inf);
+        assert_eq!(log_sum_exp(&[]), -inf);
+        assert_eq!(log_sum_exp(&[1.0, inf]), inf);
+        assert_eq!(log_sum_exp(&[-inf, 0.0]), 0.0);
     }
 
     /// Rows of ties, NaNs, infinities and lengths around the lanes' width, each equal to

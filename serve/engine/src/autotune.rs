@@ -1,14 +1,16 @@
 //! `--tree-tokens auto`: pick the tree that maximises predicted tokens per second on this device.
 //!
-//! 1. Measure the target's forward latency for 1…64 new tokens after a prefix (on a GPU nearly
-//!    flat, on a CPU nearly linear: this is what decides how wide a tree may be).
-//! 2. Decode a few warm-up prompts greedily with the widest tree while recording what the
-//!    drafter proposed at every step, and time the drafter.
+//! 1. Decode a few warm-up prompts greedily with the widest tree while recording what the
+//!    drafter proposed at every step, and time the drafter and the acceptance.
+//! 2. Measure the target's forward latency for 1…64 new tokens after the warm-up steps' mean
+//!    context (on a GPU nearly flat, on a CPU nearly linear: this is what decides how wide a tree
+//!    may be).
 //! 3. Replay the recorded steps against the tokens that were finally emitted (greedy decoding's
 //!    output is fixed, so the right token at every depth is known) to estimate the accepted length
 //!    of every smaller tree: EAGLE shapes (depth, top-k, tree tokens) by re-selecting from the
 //!    recorded candidates, Medusa trees built from the heads' measured per-rank accuracies.
-//! 4. Predicted tokens/s = (1 + accepted) / (target latency of 1 + tree tokens + drafting time).
+//! 4. Predicted tokens/s = (1 + accepted) / (target latency of 1 + tree tokens + drafting time +
+//!    acceptance time).
 //!
 //! With `--with-lookup` each replayed step runs as the drafter would run it: prompt lookup's chain
 //! for that step's context alone when it is long, else grafted onto the model's tree (Medusa's
@@ -193,17 +195,37 @@ impl Tuning {
 }
 
 /// What a recorded warm-up gives: every step's record with the tokens the target emitted after
-/// its root, the drafter's time, and, with a lookup drafter, its chain at every step.
+/// its root, the drafter's and the acceptance's time, and, with a lookup drafter, its chain at
+/// every step.
 struct WarmUp<R> {
     steps: Vec<(R, Vec<u32>)>,
     draft_seconds: f64,
+    accept_seconds: f64,
     step_count: usize,
     lookup_chains: Option<Vec<Vec<u32>>>,
 }
 
-/// The target's latency profile after the longest prompt, and greedy decoding of every prompt
-/// with the drafter `make` builds for the room they need, recording its drafts (and what `lookup`
-/// would have proposed beside them).
+impl<R> WarmUp<R> {
+    /// Mean seconds of a warm-up step spent accepting (and compacting the cache): every replayed
+    /// step pays them beside its verification.
+    fn accept_step(&self) -> f64 {
+        self.accept_seconds / self.step_count.max(1) as f64
+    }
+}
+
+/// What a replayed step costs besides verifying its tree: drafting (none where lookup's chain is
+/// verified alone) and acceptance with the cache's compaction.
+#[derive(Debug, Clone, Copy)]
+struct StepCosts {
+    draft: f64,
+    accept: f64,
+}
+
+/// Greedy decoding of every prompt with the drafter `make` builds for the room they need,
+/// recording its drafts (and what `lookup` would have proposed beside them), then the target's
+/// latency profile after the warm-up steps' mean context (attention's cost grows with the
+/// context, so the mean step costs the step there: after the longest prompt, the predicted rate
+/// of plain decoding was 0.65–0.8× what Spec-Bench's prompts then decoded at).
 fn profile_and_record<D: Recording>(
     target: &Target,
     make: impl FnOnce(usize) -> Result<D>,
@@ -212,12 +234,12 @@ fn profile_and_record<D: Recording>(
     new_tokens: usize,
 ) -> Result<(LatencyProfile, WarmUp<D::Record>)> {
     let longest = prompts.iter().map(Vec::len).max().unwrap_or(0);
-    let latency = LatencyProfile::measure(target, longest.max(64), 3)?;
     let mut drafter = make(longest + new_tokens + 1)?;
     let drafter = &mut drafter;
     let mut warm_up = WarmUp {
         steps: Vec::new(),
         draft_seconds: 0.0,
+        accept_seconds: 0.0,
         step_count: 0,
         lookup_chains: lookup.map(|_| Vec::new()),
     };
@@ -225,6 +247,7 @@ fn profile_and_record<D: Recording>(
         drafter.record();
         let out = generate_greedy(target, drafter, prompt, new_tokens)?;
         warm_up.draft_seconds += out.steps.iter().map(|s| s.draft_seconds).sum::<f64>();
+        warm_up.accept_seconds += out.steps.iter().map(|s| s.accept_seconds).sum::<f64>();
         warm_up.step_count += out.steps.len();
         let sequence: Vec<u32> = prompt
             .iter()
@@ -239,6 +262,9 @@ fn profile_and_record<D: Recording>(
             warm_up.steps.push((record, sequence[root + 1..].to_vec()));
         }
     }
+    let mean_context = prompts.iter().map(|p| p.len() + new_tokens / 2).sum::<usize>()
+        / prompts.len().max(1);
+    let latency = LatencyProfile::measure(target, mean_context.max(64), 5)?;
     Ok((latency, warm_up))
 }
 
@@ -261,15 +287,15 @@ fn accepted_length(tree: &DraftTree, truth: &[u32]) -> usize {
     accepted
 }
 
-/// Accepted tokens and seconds of one replayed step whose model tree is `tree` (drafted in
-/// `draft_seconds`); under `--with-lookup`, `chain` is lookup's proposal for the step, verified
-/// alone when long (the model then does not draft) and otherwise grafted onto the tree.
+/// Accepted tokens and seconds of one replayed step whose model tree is `tree`; under
+/// `--with-lookup`, `chain` is lookup's proposal for the step, verified alone when long (the model
+/// then does not draft) and otherwise grafted onto the tree.
 fn replay_step(
     tree: DraftTree,
     chain: Option<&[u32]>,
     truth: &[u32],
     latency: &LatencyProfile,
-    draft_seconds: f64,
+    costs: StepCosts,
 ) -> (usize, f64) {
     let (tree, drafted) = match chain {
         None => (tree, true),
@@ -282,7 +308,8 @@ fn replay_step(
             }
         },
     };
-    let seconds = latency.at(tree.len() + 1) + if drafted { draft_seconds } else { 0.0 };
+    let draft = if drafted { costs.draft } else { 0.0 };
+    let seconds = latency.at(tree.len() + 1) + draft + costs.accept;
     (accepted_length(&tree, truth), seconds)
 }
 
@@ -360,6 +387,40 @@ fn finish<T>(mut options: Vec<(Prediction, T)>, latency: &LatencyProfile) -> (T,
     (best, tuning)
 }
 
+/// An EAGLE tree's drafting seconds by its shape, from the widest shape's warm-up: the catch-up
+/// and the root's guesses, which every tree pays, then one expansion of top-k rows a further
+/// depth, priced from the widest shape's by the target's rows curve (the head's layer and LM
+/// head run on the target's kernels, so the curve's shape carries over).
+#[derive(Debug, Clone, Copy)]
+struct DraftingCost {
+    root: f64,
+    widest_depth: f64,
+    widest_top_k: usize,
+}
+
+impl DraftingCost {
+    /// Means over the recorded steps of a drafter whose top-k was `widest_top_k`.
+    fn recorded<'r>(records: impl Iterator<Item = &'r DraftRecord>, widest_top_k: usize) -> Self {
+        let (mut steps, mut root, mut depths, mut depth) = (0usize, 0.0, 0usize, 0.0);
+        for record in records {
+            steps += 1;
+            root += record.root_seconds;
+            depths += record.depth_seconds.len();
+            depth += record.depth_seconds.iter().sum::<f64>();
+        }
+        Self {
+            root: root / steps.max(1) as f64,
+            widest_depth: depth / depths.max(1) as f64,
+            widest_top_k,
+        }
+    }
+
+    fn seconds(&self, depth: usize, top_k: usize, latency: &LatencyProfile) -> f64 {
+        let width = latency.at(top_k) / latency.at(self.widest_top_k);
+        self.root + depth.saturating_sub(1) as f64 * self.widest_depth * width
+    }
+}
+
 /// Tunes an EAGLE (EAGLE-1 or EAGLE-3) head's tree shape (depth ≤ `max.depth`, top-k ≤ `max.top_k`, tree tokens ≤
 /// `max.tree_tokens`) on this device, alone or beside `lookup` (`--with-lookup`).
 pub fn tune_eagle(
@@ -374,14 +435,14 @@ pub fn tune_eagle(
     let cpu = target.cpu.decode();
     let make = |capacity| EagleDrafter::new(head, d2t, max, capacity, cpu);
     let (latency, warm_up) = profile_and_record(target, make, lookup, prompts, new_tokens)?;
+    let accept = warm_up.accept_step();
     let WarmUp {
         steps,
-        draft_seconds,
-        step_count,
         lookup_chains,
+        ..
     } = warm_up;
     let chain = |i: usize| lookup_chains.as_ref().map(|c| c[i].as_slice());
-    let per_depth = draft_seconds / step_count.max(1) as f64 / max.depth as f64;
+    let drafting = DraftingCost::recorded(steps.iter().map(|(record, _)| record), max.top_k);
     let mut options = Vec::new();
     for depth in 1..=max.depth {
         for top_k in [1, 2, 4, 8, 16].into_iter().filter(|&k| k <= max.top_k) {
@@ -405,7 +466,8 @@ pub fn tune_eagle(
                 let (accepted, seconds) =
                     mean_step(replays.iter().enumerate().map(|(i, (c, truth))| {
                         let tree = best_subtree(c, tree_tokens);
-                        replay_step(tree, chain(i), truth, &latency, depth as f64 * per_depth)
+                        let draft = drafting.seconds(depth, top_k, &latency);
+                        replay_step(tree, chain(i), truth, &latency, StepCosts { draft, accept })
                     }));
                 let shape = EagleTreeShape {
                     depth,
@@ -439,14 +501,16 @@ pub fn tune_medusa(
     let cpu = target.cpu.decode();
     let make = |_| MedusaDrafter::new(heads, d2t, TreeChoices::chain(1), cpu);
     let (latency, warm_up) = profile_and_record(target, make, lookup, prompts, new_tokens)?;
+    let costs = StepCosts {
+        draft: warm_up.draft_seconds / warm_up.step_count.max(1) as f64,
+        accept: warm_up.accept_step(),
+    };
     let WarmUp {
         steps,
-        draft_seconds,
-        step_count,
         lookup_chains,
+        ..
     } = warm_up;
     let accuracy = rank_accuracy(&steps);
-    let draft_step = draft_seconds / step_count.max(1) as f64;
     let mut options = Vec::new();
     for tree_tokens in TREE_SIZES.into_iter().filter(|&n| n <= max_tree_tokens) {
         let choices = TreeChoices::from_accuracies(&accuracy, tree_tokens);
@@ -463,11 +527,11 @@ pub fn tune_medusa(
                             .product::<f64>()
                     })
                     .sum(),
-                latency.at(tree_tokens + 1) + draft_step,
+                latency.at(tree_tokens + 1) + costs.draft + costs.accept,
             ),
             Some(chains) => mean_step(steps.iter().zip(chains).map(|((record, truth), chain)| {
                 let tree = choices.build(&record.guesses);
-                replay_step(tree, Some(chain), truth, &latency, draft_step)
+                replay_step(tree, Some(chain), truth, &latency, costs)
             })),
         };
         let predicted = prediction(
@@ -546,7 +610,7 @@ mod tests {
 
     /// A replayed step runs as `--with-lookup` would run it: a one-token lookup guess joins the
     /// model's tree (one more node to verify), a longer chain goes alone without the model's
-    /// drafting time.
+    /// drafting time; every step pays the acceptance.
     #[test]
     fn replayed_steps_with_lookup_graft_short_chains_and_send_long_ones_alone() {
         let latency = LatencyProfile {
@@ -556,23 +620,50 @@ mod tests {
         };
         let model_tree = || DraftTree::chain(&[7, 8], std::iter::repeat(Proposal::Deterministic));
         let truth = [7, 9, 4, 5];
-        let draft = 0.5;
+        let costs = StepCosts {
+            draft: 0.5,
+            accept: 0.25,
+        };
         assert_eq!(
-            replay_step(model_tree(), None, &truth, &latency, draft),
-            (1, 3.5)
+            replay_step(model_tree(), None, &truth, &latency, costs),
+            (1, 3.75)
         );
         assert_eq!(
-            replay_step(model_tree(), Some(&[3]), &truth, &latency, draft),
-            (1, 4.5)
+            replay_step(model_tree(), Some(&[3]), &truth, &latency, costs),
+            (1, 4.75)
         );
         // A guess the model drafted too is shared: nothing more to verify.
-        let grafted = replay_step(model_tree(), Some(&[7]), &truth, &latency, draft);
-        assert_eq!(grafted, (1, 3.5));
+        let grafted = replay_step(model_tree(), Some(&[7]), &truth, &latency, costs);
+        assert_eq!(grafted, (1, 3.75));
         assert_eq!(
-            replay_step(model_tree(), Some(&[7, 9, 4]), &truth, &latency, draft),
-            (3, 4.0)
+            replay_step(model_tree(), Some(&[7, 9, 4]), &truth, &latency, costs),
+            (3, 4.25)
         );
-        assert_eq!(mean_step([(1, 3.5), (3, 4.0)].into_iter()), (2.0, 3.75));
+        assert_eq!(mean_step([(1, 3.75), (3, 4.25)].into_iter()), (2.0, 4.0));
+    }
+
+    /// Every tree pays the recorded catch-up; each further depth an expansion priced from the
+    /// widest one's by the rows curve.
+    #[test]
+    fn drafting_cost_follows_the_shape() {
+        let record = |root_seconds: f64, depth_seconds: Vec<f64>| DraftRecord {
+            root: 0,
+            candidates: Vec::new(),
+            root_seconds,
+            depth_seconds,
+        };
+        let records = [record(1.0, vec![0.5, 0.5]), record(3.0, vec![1.0])];
+        let cost = DraftingCost::recorded(records.iter(), 4);
+        let latency = LatencyProfile {
+            tokens: vec![1, 4],
+            seconds: vec![1.0, 2.0],
+            fork_joins: vec![0; 2],
+        };
+        let close = |a: f64, b: f64| (a - b).abs() < 1e-12;
+        assert!(close(cost.seconds(1, 4, &latency), 2.0));
+        assert!(close(cost.seconds(1, 1, &latency), 2.0));
+        assert!(close(cost.seconds(3, 4, &latency), 2.0 + 2.0 * 2.0 / 3.0));
+        assert!(close(cost.seconds(2, 1, &latency), 2.0 + 2.0 / 3.0 / 2.0));
     }
 
     #[test]

@@ -8,8 +8,12 @@
 //! it; the `tree_tokens` most confident nodes of everything expanded form the tree. Tree nodes
 //! enter the head's cache only while drafting and are dropped (O(1) truncation) afterwards.
 
+use std::time::Instant;
+
 use headway_heads::{FeatureHead, FeatureModules};
+use headway_model::linear::{f32_slice, plain_cpu_f32};
 use headway_model::mask::positions;
+use headway_model::sampling::log_sum_exp;
 use headway_model::{CpuPolicy, KvCache, Sampler, TreeInput};
 use tch::{Kind, Tensor};
 
@@ -64,6 +68,10 @@ pub struct DraftRecord {
     /// Index of the step's root in the token sequence.
     pub root: usize,
     pub candidates: Vec<Candidate>,
+    /// Seconds of the catch-up and the root's guesses: what every depth of tree pays.
+    pub root_seconds: f64,
+    /// Seconds of each later depth's expansion and guesses, in depth order (top-k rows each).
+    pub depth_seconds: Vec<f64>,
 }
 
 pub struct EagleDrafter<'h> {
@@ -152,21 +160,19 @@ impl<'h> EagleDrafter<'h> {
     fn guesses(&self, features: &Tensor) -> Result<Vec<Vec<(u32, f32)>>> {
         let logits = self.modules.logits(features);
         let vocab = logits.size().last().copied().unwrap_or(0) as usize;
-        let on_cpu = |t: Tensor| {
-            Vec::<f32>::try_from(
-                t.to_device(tch::Device::Cpu)
-                    .to_kind(Kind::Float)
-                    .reshape([-1]),
-            )
+        // Drafting on the CPU reads the head's f32 logits where its product wrote them.
+        let logits = match plain_cpu_f32(&logits) {
+            true => logits.contiguous(),
+            false => logits
+                .to_device(tch::Device::Cpu)
+                .to_kind(Kind::Float)
+                .contiguous(),
         };
-        // log p = logit − log Σ exp(logits): libtorch's vectorised reduction, one call a depth.
-        let log_norms = on_cpu(logits.logsumexp([-1], false))?;
-        let logits = on_cpu(logits)?;
         let to_target = |i: usize| self.d2t.map_or(i as u32, |m| m[i]);
-        Ok(logits
+        Ok(f32_slice(&logits)
             .chunks_exact(vocab.max(1))
-            .zip(log_norms)
-            .map(|(row, log_norm)| {
+            .map(|row| {
+                let log_norm = log_sum_exp(row);
                 top_logits(row, self.shape.top_k)
                     .into_iter()
                     .map(|(i, logit)| (to_target(i), logit - log_norm))
@@ -223,10 +229,14 @@ impl<'h> EagleDrafter<'h> {
 impl Drafter for EagleDrafter<'_> {
     fn draft(&mut self, verified: &Verified, _: &mut Sampler) -> Result<DraftTree> {
         let _no_grad = tch::no_grad_guard();
+        let started = Instant::now();
         let mut store = vec![self.catch_up(verified)?];
         let mut candidates: Vec<Candidate> = Vec::new();
         let mut newest: Vec<usize> = Vec::new();
-        for (token, score) in self.guesses(&store[0].unsqueeze(0))?.remove(0) {
+        let root_guesses = self.guesses(&store[0].unsqueeze(0))?.remove(0);
+        let root_seconds = started.elapsed().as_secs_f64();
+        let mut depth_seconds = Vec::with_capacity(self.shape.depth - 1);
+        for (token, score) in root_guesses {
             newest.push(candidates.len());
             candidates.push(Candidate {
                 token,
@@ -238,6 +248,7 @@ impl Drafter for EagleDrafter<'_> {
             });
         }
         for _ in 1..self.shape.depth {
+            let started = Instant::now();
             newest.sort_by(|&a, &b| candidates[b].score.total_cmp(&candidates[a].score));
             newest.truncate(self.shape.top_k);
             let predictions = self.expand(&mut candidates, &newest, &store)?;
@@ -258,6 +269,7 @@ impl Drafter for EagleDrafter<'_> {
                 }
             }
             newest = next;
+            depth_seconds.push(started.elapsed().as_secs_f64());
         }
         self.cache.truncate(self.committed)?;
         let tree = best_subtree(&candidates, self.shape.tree_tokens);
@@ -265,6 +277,8 @@ impl Drafter for EagleDrafter<'_> {
             records.push(DraftRecord {
                 root: verified.context.len() - 1,
                 candidates,
+                root_seconds,
+                depth_seconds,
             });
         }
         Ok(tree)
