@@ -224,8 +224,8 @@ struct StepCosts {
 /// Greedy decoding of every prompt with the drafter `make` builds for the room they need,
 /// recording its drafts (and what `lookup` would have proposed beside them), then the target's
 /// latency profile after the warm-up steps' mean context (attention's cost grows with the
-/// context, so the mean step costs the step there: after the longest prompt, the predicted rate
-/// of plain decoding was 0.65–0.8× what Spec-Bench's prompts then decoded at).
+/// context, so the mean step costs the step there: measured after the longest prompt, plain
+/// decoding's predicted rate was 0.65–0.97× what Spec-Bench's prompts then decoded at).
 fn profile_and_record<D: Recording>(
     target: &Target,
     make: impl FnOnce(usize) -> Result<D>,
@@ -262,7 +262,10 @@ fn profile_and_record<D: Recording>(
             warm_up.steps.push((record, sequence[root + 1..].to_vec()));
         }
     }
-    let mean_context = prompts.iter().map(|p| p.len() + new_tokens / 2).sum::<usize>()
+    let mean_context = prompts
+        .iter()
+        .map(|p| p.len() + new_tokens / 2)
+        .sum::<usize>()
         / prompts.len().max(1);
     let latency = LatencyProfile::measure(target, mean_context.max(64), 5)?;
     Ok((latency, warm_up))

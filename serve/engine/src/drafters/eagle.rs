@@ -314,14 +314,36 @@ impl Drafter for EagleDrafter<'_> {
 /// The `k` largest of `logits` (index, logit), best first and the lower index first among
 /// equals: a draft depth's guesses in one pass over the row.
 fn top_logits(logits: &[f32], k: usize) -> Vec<(usize, f32)> {
+    const LANES: usize = 8;
     let mut top: Vec<(usize, f32)> = Vec::with_capacity(k + 1);
-    for (i, &logit) in logits.iter().enumerate() {
+    let offer = |top: &mut Vec<(usize, f32)>, i: usize, logit: f32| {
         if top.len() == k && top.last().is_none_or(|&(_, worst)| logit <= worst) {
-            continue;
+            return;
         }
         let at = top.partition_point(|&(_, better)| better >= logit);
         top.insert(at, (i, logit));
         top.truncate(k);
+    };
+    let chunks = logits.chunks_exact(LANES);
+    let tail = chunks.remainder();
+    for (c, chunk) in chunks.enumerate() {
+        // Once k are held, most chunks lie wholly at or below the worst of them and change
+        // nothing: one vector comparison skips them (a NaN never compares so, and is offered).
+        if let Some(&(_, worst)) = top.last().filter(|_| top.len() == k) {
+            if chunk
+                .iter()
+                .fold(true, |all, &logit| all & (logit <= worst))
+            {
+                continue;
+            }
+        }
+        for (j, &logit) in chunk.iter().enumerate() {
+            offer(&mut top, c * LANES + j, logit);
+        }
+    }
+    let whole = logits.len() - tail.len();
+    for (j, &logit) in tail.iter().enumerate() {
+        offer(&mut top, whole + j, logit);
     }
     top
 }
@@ -423,6 +445,17 @@ pub(crate) mod tests {
                 );
             }
         }
+        let mut spiky = vec![0.0f32; 37];
+        spiky[20] = f32::NAN;
+        spiky[9] = 5.0;
+        spiky[30] = 5.0;
+        let ranked: Vec<usize> = top_logits(&spiky, 3).iter().map(|&(i, _)| i).collect();
+        assert_eq!(
+            ranked,
+            [20, 9, 30],
+            "a NaN ranks first, as libtorch's topk ranks it"
+        );
+        assert!(top_logits(&spiky, 0).is_empty());
         let ranked: Vec<usize> = top_logits(&[1.0, 3.0, 0.0, 3.0, 2.0], 3)
             .iter()
             .map(|&(i, _)| i)
