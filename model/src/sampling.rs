@@ -268,35 +268,14 @@ fn first_largest(row: &[f32]) -> usize {
 /// libtorch's reduction, which cost a tenth of EAGLE-3's drafting. Within a few ulp of
 /// libtorch's `logsumexp`; NaN where the row holds one, −∞ for an empty row or one of −∞ only.
 pub fn log_sum_exp(row: &[f32]) -> f32 {
-    let (largest, nan) = largest_and_nan(row);
-    if nan {
-        return f32::NAN;
-    }
+    // The first largest counts a NaN above all numbers: then it is the NaN.
+    let Some(&largest) = row.get(first_largest(row)) else {
+        return f32::NEG_INFINITY;
+    };
     if !largest.is_finite() {
         return largest;
     }
     largest + sum_exp_below(row, largest).ln()
-}
-
-/// The largest of `row` (−∞ for none) and whether it holds a NaN, eight lanes at a time (the
-/// lanes' comparisons compile to vector ones).
-fn largest_and_nan(row: &[f32]) -> (f32, bool) {
-    const LANES: usize = 8;
-    let (mut largest, mut nan) = ([f32::NEG_INFINITY; LANES], [false; LANES]);
-    let chunks = row.chunks_exact(LANES);
-    let tail = chunks.remainder();
-    for chunk in chunks {
-        for lane in 0..LANES {
-            let v = chunk[lane];
-            nan[lane] |= v.is_nan();
-            largest[lane] = if v > largest[lane] { v } else { largest[lane] };
-        }
-    }
-    tail.iter()
-        .chain(&largest)
-        .fold((f32::NEG_INFINITY, nan.contains(&true)), |(m, nan), &v| {
-            (if v > m { v } else { m }, nan | v.is_nan())
-        })
 }
 
 /// `Σ exp(v − largest)` over `row`, every `v ≤ largest`: eight lanes at a time on the row

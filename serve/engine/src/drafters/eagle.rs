@@ -316,17 +316,7 @@ impl Drafter for EagleDrafter<'_> {
 fn top_logits(logits: &[f32], k: usize) -> Vec<(usize, f32)> {
     const LANES: usize = 8;
     let mut top: Vec<(usize, f32)> = Vec::with_capacity(k + 1);
-    let offer = |top: &mut Vec<(usize, f32)>, i: usize, logit: f32| {
-        if top.len() == k && top.last().is_none_or(|&(_, worst)| logit <= worst) {
-            return;
-        }
-        let at = top.partition_point(|&(_, better)| better >= logit);
-        top.insert(at, (i, logit));
-        top.truncate(k);
-    };
-    let chunks = logits.chunks_exact(LANES);
-    let tail = chunks.remainder();
-    for (c, chunk) in chunks.enumerate() {
+    for (c, chunk) in logits.chunks(LANES).enumerate() {
         // Once k are held, most chunks lie wholly at or below the worst of them and change
         // nothing: one vector comparison skips them (a NaN never compares so, and is offered).
         if let Some(&(_, worst)) = top.last().filter(|_| top.len() == k) {
@@ -338,12 +328,13 @@ fn top_logits(logits: &[f32], k: usize) -> Vec<(usize, f32)> {
             }
         }
         for (j, &logit) in chunk.iter().enumerate() {
-            offer(&mut top, c * LANES + j, logit);
+            if top.len() == k && top.last().is_none_or(|&(_, worst)| logit <= worst) {
+                continue;
+            }
+            let at = top.partition_point(|&(_, better)| better >= logit);
+            top.insert(at, (c * LANES + j, logit));
+            top.truncate(k);
         }
-    }
-    let whole = logits.len() - tail.len();
-    for (j, &logit) in tail.iter().enumerate() {
-        offer(&mut top, whole + j, logit);
     }
     top
 }
