@@ -86,35 +86,43 @@ impl LatencyProfile {
             &mut cache,
             &TreeInput::causal(0, &tokens(prefix), target.device),
         )?;
-        let mut profile = Self {
-            tokens: Vec::new(),
-            seconds: Vec::new(),
-            fork_joins: Vec::new(),
-        };
-        for &n in rows {
-            // A chain-shaped tree: the same work as any tree of this size. Plain decoding (no
-            // tree) runs without a mask, as it does in the engine.
-            let input = match n {
-                1 => TreeInput::causal(prefix, &tokens(n), target.device),
+        // A chain-shaped tree: the same work as any tree of this size. Plain decoding (no tree)
+        // runs without a mask, as it does in the engine.
+        let inputs = rows
+            .iter()
+            .map(|&n| match n {
+                1 => Ok(TreeInput::causal(prefix, &tokens(n), target.device)),
                 _ => {
                     let parents: Vec<Option<usize>> = (0..n).map(|i| i.checked_sub(1)).collect();
-                    TreeInput::tree(prefix, &tokens(n), &parents, target.device)?
+                    TreeInput::tree(prefix, &tokens(n), &parents, target.device)
                 }
-            };
-            let mut times = Vec::with_capacity(reps);
-            let fork_joins = cpu.fork_joins();
-            for _ in 0..reps.max(1) {
-                times.push(forward(&mut cache, &input)?);
+            })
+            .collect::<headway_model::Result<Vec<_>>>()?;
+        let reps = reps.max(1);
+        let mut times = vec![Vec::with_capacity(reps); rows.len()];
+        let mut fork_joins = vec![0; rows.len()];
+        // Round by round over every size, not one size's forwards in a row: a slow spell of a
+        // shared host then lands on one forward of many sizes, which each median drops, instead
+        // of on all forwards of one size.
+        for _ in 0..reps {
+            for (i, input) in inputs.iter().enumerate() {
+                let before = cpu.fork_joins();
+                times[i].push(forward(&mut cache, input)?);
+                fork_joins[i] = cpu.fork_joins() - before;
                 cache.truncate(prefix)?;
             }
-            times.sort_by(f64::total_cmp);
-            profile.tokens.push(n);
-            profile.seconds.push(times[times.len() / 2]);
-            profile
-                .fork_joins
-                .push((cpu.fork_joins() - fork_joins) / reps.max(1));
         }
-        Ok(profile)
+        Ok(Self {
+            tokens: rows.to_vec(),
+            seconds: times
+                .iter_mut()
+                .map(|t| {
+                    t.sort_by(f64::total_cmp);
+                    t[t.len() / 2]
+                })
+                .collect(),
+            fork_joins,
+        })
     }
 
     /// One line: each measured row count's forward time and its multiple of one row's.

@@ -285,6 +285,7 @@ fn settings(
             "predicted_tau": 1.0 + t.best.accepted,
             "predicted_ar_tokens_per_s": t.ar_tokens_per_s,
             "ranking": t.ranking,
+            "latency": t.latency,
         })),
         "draft_tokens": draft.draft_tokens,
         "head_format": format!("{:?}", draft.head_format.drafting_format(target)),

@@ -135,6 +135,8 @@ pub struct MethodRun {
     pub steps: usize,
     /// Sum of the steps' tree depths.
     depth_sum: usize,
+    /// Steps and their verification seconds, by rows verified (the tree and its root).
+    verified_rows: BTreeMap<usize, (usize, f64)>,
 }
 
 impl MethodRun {
@@ -155,6 +157,9 @@ impl MethodRun {
             self.verify_seconds += step.verify_seconds;
             self.accept_seconds += step.accept_seconds;
             self.depth_sum += step.tree_depth;
+            let rows = self.verified_rows.entry(step.tree_tokens + 1).or_default();
+            rows.0 += 1;
+            rows.1 += step.verify_seconds;
         }
         self.steps += out.steps.len();
         self.results.push(result);
@@ -227,6 +232,18 @@ pub struct StepProfile {
     /// `ar`'s step in the same run, and one draft depth as a share of it.
     pub plain_step_ms: Option<f64>,
     pub draft_depth_share: Option<f64>,
+    /// The run's own verifications by rows: what its trees cost, beside the rows curve measured
+    /// apart (absent in reports of older versions).
+    #[serde(default)]
+    pub verification_by_rows: Vec<RowsVerified>,
+}
+
+/// The steps of a run that verified `rows` rows, and their mean verification time.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct RowsVerified {
+    pub rows: usize,
+    pub steps: usize,
+    pub mean_ms: f64,
 }
 
 impl StepProfile {
@@ -244,6 +261,15 @@ impl StepProfile {
             draft_depth_ms,
             plain_step_ms,
             draft_depth_share: plain_step_ms.map(|plain| draft_depth_ms / plain),
+            verification_by_rows: run
+                .verified_rows
+                .iter()
+                .map(|(&rows, &(steps, seconds))| RowsVerified {
+                    rows,
+                    steps,
+                    mean_ms: 1e3 * seconds / steps.max(1) as f64,
+                })
+                .collect(),
         })
     }
 
@@ -254,9 +280,18 @@ impl StepProfile {
             }
             _ => String::new(),
         };
+        let by_rows: Vec<String> = self
+            .verification_by_rows
+            .iter()
+            .map(|v| format!("{}: {:.2} ms ({} steps)", v.rows, v.mean_ms, v.steps))
+            .collect();
         format!(
-            "\nPer step: drafting {:.2} ms, verification {:.2} ms, acceptance + compaction {:.2} ms; one draft depth {:.2} ms{share}\n",
-            self.drafting_ms, self.verification_ms, self.acceptance_ms, self.draft_depth_ms
+            "\nPer step: drafting {:.2} ms, verification {:.2} ms, acceptance + compaction {:.2} ms; one draft depth {:.2} ms{share}\nVerified rows → this run's mean verification: {}\n",
+            self.drafting_ms,
+            self.verification_ms,
+            self.acceptance_ms,
+            self.draft_depth_ms,
+            by_rows.join(", ")
         )
     }
 }
@@ -537,5 +572,42 @@ mod tests {
             .draft_depth_share
             .is_none());
         assert!(StepProfile::of(&MethodRun::default(), Some(&ar)).is_none());
+    }
+
+    /// Each step's verification is counted under its tree's rows, the root included.
+    #[test]
+    fn verifications_are_summed_by_rows() {
+        use headway_engine::engine::Step;
+        use headway_model::{Generation, StopReason};
+        let step = |tree_tokens: usize, verify_seconds: f64| Step {
+            emitted: vec![1],
+            tree_tokens,
+            tree_depth: tree_tokens.min(1),
+            draft_seconds: 0.0,
+            verify_seconds,
+            accept_seconds: 0.0,
+        };
+        let generation = SpecGeneration {
+            generation: Generation {
+                tokens: vec![1, 1, 1, 1],
+                text: String::new(),
+                stop_reason: StopReason::Length,
+                prefill_seconds: 0.0,
+                seconds: 1.0,
+            },
+            steps: vec![step(0, 0.004), step(2, 0.005), step(0, 0.002)],
+        };
+        let mut run = MethodRun::default();
+        run.add(&generation, prompt(1, vec![1, 1, 1, 1]));
+        let profile = StepProfile::of(&run, None).unwrap();
+        let rows: Vec<(usize, usize)> = profile
+            .verification_by_rows
+            .iter()
+            .map(|v| (v.rows, v.steps))
+            .collect();
+        assert_eq!(rows, [(1, 2), (3, 1)]);
+        assert!(profile
+            .markdown()
+            .contains("1: 3.00 ms (2 steps), 3: 5.00 ms (1 steps)"));
     }
 }
