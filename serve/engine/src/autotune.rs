@@ -12,9 +12,13 @@
 //! 4. Predicted tokens/s = (1 + accepted) / (target latency of 1 + tree tokens + drafting time +
 //!    acceptance time).
 //!
-//! With `--with-lookup` each replayed step runs as the drafter would run it: prompt lookup's chain
-//! for that step's context alone when it is long, else grafted onto the model's tree (Medusa's
-//! trees are then built from each step's recorded guesses instead of the accuracy formula).
+//! With `--with-lookup` the warm-up decodes with lookup beside the widest tree, as the run will:
+//! steps whose lookup chain is long verify it alone, and are replayed as they were for every
+//! tree; in the others the chain is grafted onto each replayed model tree (Medusa's trees are
+//! then built from each step's recorded guesses instead of the accuracy formula). A warm-up
+//! without lookup predicted 0.94 tokens accepted a step where 0.62 came (6 Spec-Bench prompts, 48
+//! tokens): text that lookup copies in a few long chains took the model alone many steps, each
+//! replayed as one of lookup's long chains.
 //!
 //! The replay is exact for EAGLE shapes whose expanded nodes the wide run also expanded, and
 //! treats the rare others as unexpanded (a slight underestimate).
@@ -22,11 +26,12 @@
 use std::time::Instant;
 
 use headway_heads::{FeatureHead, MedusaHeads};
-use headway_model::{ForwardInput, KvCache, Target, TreeInput};
+use headway_model::{greedy_tokens, ForwardInput, KvCache, Target, TreeInput};
+use tch::Kind;
 
 use crate::drafters::{
     best_subtree, lookup_alone, Candidate, DraftRecord, EagleDrafter, EagleTreeShape, GuessRecord,
-    LookupDrafter, MedusaDrafter, Recording,
+    LookupDrafter, LookupStep, MedusaDrafter, Recording, WithLookup,
 };
 use crate::engine::generate_greedy;
 use crate::error::Result;
@@ -57,7 +62,8 @@ impl LatencyProfile {
 
     /// Median of `reps` forwards of each number of new tokens in `rows` (ascending) after a
     /// `prefix`-token prompt: one token as plain decoding runs it (causal, no mask), more as a
-    /// tree-masked chain (the same work as any tree of that size).
+    /// tree-masked chain (the same work as any tree of that size); each with the LM head and the
+    /// greedy choice at every row, as a step verifies.
     pub fn measure_rows(
         target: &Target,
         prefix: usize,
@@ -79,7 +85,7 @@ impl LatencyProfile {
                 .model
                 .forward(&ForwardInput::new(input, &[], &cpu), Some(cache))?;
             let logits = target.model.lm_head.forward(&output.hidden.get(0), &cpu);
-            let _ = Vec::<f32>::try_from(logits.sum(tch::Kind::Float).view([1]))?;
+            greedy_tokens(&logits.to_kind(Kind::Float));
             Ok(start.elapsed().as_secs_f64())
         };
         forward(
@@ -202,22 +208,45 @@ impl Tuning {
     }
 }
 
-/// What a recorded warm-up gives: every step's record with the tokens the target emitted after
-/// its root, the drafter's and the acceptance's time, and, with a lookup drafter, its chain at
-/// every step.
+/// What a recorded warm-up gives: every model step's record with the tokens the target emitted
+/// after its root and, with a lookup drafter beside the model, its chain there; the steps lookup
+/// took alone; and the drafter's and the acceptance's time.
 struct WarmUp<R> {
     steps: Vec<(R, Vec<u32>)>,
+    lookup_chains: Option<Vec<Vec<u32>>>,
+    /// Lookup's chain and the emitted tokens after the root, of each step lookup took alone: the
+    /// same for every model tree, they are replayed beside the model's.
+    alone: Vec<(Vec<u32>, Vec<u32>)>,
+    times: StepTimes,
+}
+
+/// The seconds a warm-up's steps spent drafting and accepting, and how many steps it took.
+#[derive(Default)]
+struct StepTimes {
     draft_seconds: f64,
     accept_seconds: f64,
     step_count: usize,
-    lookup_chains: Option<Vec<Vec<u32>>>,
 }
 
 impl<R> WarmUp<R> {
     /// Mean seconds of a warm-up step spent accepting (and compacting the cache): every replayed
     /// step pays them beside its verification.
     fn accept_step(&self) -> f64 {
-        self.accept_seconds / self.step_count.max(1) as f64
+        self.times.accept_seconds / self.times.step_count.max(1) as f64
+    }
+
+    /// The steps lookup took alone, replayed: (accepted tokens, seconds) each.
+    fn alone_steps<'w>(
+        &'w self,
+        latency: &'w LatencyProfile,
+    ) -> impl Iterator<Item = (usize, f64)> + 'w {
+        let costs = StepCosts {
+            draft: 0.0,
+            accept: self.accept_step(),
+        };
+        self.alone.iter().map(move |(chain, truth)| {
+            replay_step(DraftTree::new(), Some(chain), truth, latency, costs)
+        })
     }
 }
 
@@ -229,11 +258,11 @@ struct StepCosts {
     accept: f64,
 }
 
-/// Greedy decoding of every prompt with the drafter `make` builds for the room they need,
-/// recording its drafts (and what `lookup` would have proposed beside them), then the target's
-/// latency profile after the warm-up steps' mean context (attention's cost grows with the
-/// context, so the mean step costs the step there: measured after the longest prompt, plain
-/// decoding's predicted rate was 0.65–0.97× what Spec-Bench's prompts then decoded at).
+/// Greedy decoding of every prompt with the drafter `make` builds for the room they need (with
+/// `lookup` beside it, as it will run), recording its drafts, then the target's latency profile
+/// after the warm-up steps' mean context (attention's cost grows with the context, so the mean
+/// step costs the step there: measured after the longest prompt, plain decoding's predicted rate
+/// was 0.65–0.97× what Spec-Bench's prompts then decoded at).
 fn profile_and_record<D: Recording>(
     target: &Target,
     make: impl FnOnce(usize) -> Result<D>,
@@ -242,32 +271,45 @@ fn profile_and_record<D: Recording>(
     new_tokens: usize,
 ) -> Result<(LatencyProfile, WarmUp<D::Record>)> {
     let longest = prompts.iter().map(Vec::len).max().unwrap_or(0);
-    let mut drafter = make(longest + new_tokens + 1)?;
-    let drafter = &mut drafter;
+    let drafter = make(longest + new_tokens + 1)?;
     let mut warm_up = WarmUp {
         steps: Vec::new(),
-        draft_seconds: 0.0,
-        accept_seconds: 0.0,
-        step_count: 0,
         lookup_chains: lookup.map(|_| Vec::new()),
+        alone: Vec::new(),
+        times: StepTimes::default(),
     };
-    for prompt in prompts {
-        drafter.record();
-        let out = generate_greedy(target, drafter, prompt, new_tokens)?;
-        warm_up.draft_seconds += out.steps.iter().map(|s| s.draft_seconds).sum::<f64>();
-        warm_up.accept_seconds += out.steps.iter().map(|s| s.accept_seconds).sum::<f64>();
-        warm_up.step_count += out.steps.len();
-        let sequence: Vec<u32> = prompt
-            .iter()
-            .chain(&out.generation.tokens)
-            .copied()
-            .collect();
-        for record in drafter.take_records() {
-            let root = D::root(&record);
-            if let (Some(lookup), Some(chains)) = (lookup, &mut warm_up.lookup_chains) {
-                chains.push(lookup.propose(&sequence[..=root]));
+    match lookup {
+        None => {
+            let mut drafter = drafter;
+            for prompt in prompts {
+                let (records, sequence) =
+                    decode_recorded(target, &mut drafter, prompt, new_tokens, &mut warm_up.times)?;
+                for record in records {
+                    let truth = sequence[D::root(&record) + 1..].to_vec();
+                    warm_up.steps.push((record, truth));
+                }
             }
-            warm_up.steps.push((record, sequence[root + 1..].to_vec()));
+        }
+        Some(lookup) => {
+            let mut drafter = WithLookup::new(drafter, *lookup);
+            for prompt in prompts {
+                let (records, sequence) =
+                    decode_recorded(target, &mut drafter, prompt, new_tokens, &mut warm_up.times)?;
+                for step in records {
+                    let root = WithLookup::<D>::root(&step);
+                    let (chain, truth) = (
+                        lookup.propose(&sequence[..=root]),
+                        sequence[root + 1..].to_vec(),
+                    );
+                    match step {
+                        LookupStep::Model(record) => {
+                            warm_up.steps.push((record, truth));
+                            warm_up.lookup_chains.get_or_insert_default().push(chain);
+                        }
+                        LookupStep::Alone { .. } => warm_up.alone.push((chain, truth)),
+                    }
+                }
+            }
         }
     }
     let mean_context = prompts
@@ -277,6 +319,28 @@ fn profile_and_record<D: Recording>(
         / prompts.len().max(1);
     let latency = LatencyProfile::measure(target, mean_context.max(64), 5)?;
     Ok((latency, warm_up))
+}
+
+/// Greedy decoding of `prompt` by `drafter` while it records: its records, and the prompt with
+/// the tokens emitted after it; the steps' times are added to `times`.
+fn decode_recorded<W: Recording>(
+    target: &Target,
+    drafter: &mut W,
+    prompt: &[u32],
+    new_tokens: usize,
+    times: &mut StepTimes,
+) -> Result<(Vec<W::Record>, Vec<u32>)> {
+    drafter.record();
+    let out = generate_greedy(target, drafter, prompt, new_tokens)?;
+    times.draft_seconds += out.steps.iter().map(|s| s.draft_seconds).sum::<f64>();
+    times.accept_seconds += out.steps.iter().map(|s| s.accept_seconds).sum::<f64>();
+    times.step_count += out.steps.len();
+    let sequence = prompt
+        .iter()
+        .chain(&out.generation.tokens)
+        .copied()
+        .collect();
+    Ok((drafter.take_records(), sequence))
 }
 
 /// Accepted length of `tree` when the right continuation after the root is `truth`.
@@ -410,15 +474,25 @@ struct DraftingCost {
 }
 
 impl DraftingCost {
-    /// Means over the recorded steps of a drafter whose top-k was `widest_top_k`.
+    /// Means over the recorded steps of a drafter whose top-k was `widest_top_k`. The root's
+    /// mean leaves out each prompt's first step (its catch-up feeds the head the whole prompt,
+    /// once a prompt: 2–29 ms against a step's 0.5–1 ms on Spec-Bench's prompts), unless no other
+    /// step was recorded.
     fn recorded<'r>(records: impl Iterator<Item = &'r DraftRecord>, widest_top_k: usize) -> Self {
-        let (mut steps, mut root, mut depths, mut depth) = (0usize, 0.0, 0usize, 0.0);
+        // (steps, seconds) of the roots after a prompt, and of the others.
+        let mut roots = [(0usize, 0.0); 2];
+        let (mut depths, mut depth) = (0usize, 0.0);
         for record in records {
-            steps += 1;
-            root += record.root_seconds;
+            let root = &mut roots[usize::from(!record.after_prompt)];
+            root.0 += 1;
+            root.1 += record.root_seconds;
             depths += record.depth_seconds.len();
             depth += record.depth_seconds.iter().sum::<f64>();
         }
+        let (steps, root) = match roots {
+            [after_prompt, (0, _)] => after_prompt,
+            [_, steady] => steady,
+        };
         Self {
             root: root / steps.max(1) as f64,
             widest_depth: depth / depths.max(1) as f64,
@@ -447,11 +521,7 @@ pub fn tune_eagle(
     let make = |capacity| EagleDrafter::new(head, d2t, max, capacity, cpu);
     let (latency, warm_up) = profile_and_record(target, make, lookup, prompts, new_tokens)?;
     let accept = warm_up.accept_step();
-    let WarmUp {
-        steps,
-        lookup_chains,
-        ..
-    } = warm_up;
+    let (steps, lookup_chains) = (&warm_up.steps, &warm_up.lookup_chains);
     let chain = |i: usize| lookup_chains.as_ref().map(|c| c[i].as_slice());
     let drafting = DraftingCost::recorded(steps.iter().map(|(record, _)| record), max.top_k);
     let mut options = Vec::new();
@@ -474,12 +544,23 @@ pub fn tune_eagle(
                     && all_drafted.is_none_or(|all| n <= all)
             });
             for tree_tokens in sizes {
-                let (accepted, seconds) =
-                    mean_step(replays.iter().enumerate().map(|(i, (c, truth))| {
-                        let tree = best_subtree(c, tree_tokens);
-                        let draft = drafting.seconds(depth, top_k, &latency);
-                        replay_step(tree, chain(i), truth, &latency, StepCosts { draft, accept })
-                    }));
+                let (accepted, seconds) = mean_step(
+                    replays
+                        .iter()
+                        .enumerate()
+                        .map(|(i, (c, truth))| {
+                            let tree = best_subtree(c, tree_tokens);
+                            let draft = drafting.seconds(depth, top_k, &latency);
+                            replay_step(
+                                tree,
+                                chain(i),
+                                truth,
+                                &latency,
+                                StepCosts { draft, accept },
+                            )
+                        })
+                        .chain(warm_up.alone_steps(&latency)),
+                );
                 let shape = EagleTreeShape {
                     depth,
                     top_k,
@@ -512,16 +593,13 @@ pub fn tune_medusa(
     let cpu = target.cpu.decode();
     let make = |_| MedusaDrafter::new(heads, d2t, TreeChoices::chain(1), cpu);
     let (latency, warm_up) = profile_and_record(target, make, lookup, prompts, new_tokens)?;
+    // Per model step: the heads draft nothing in a step lookup takes alone.
     let costs = StepCosts {
-        draft: warm_up.draft_seconds / warm_up.step_count.max(1) as f64,
+        draft: warm_up.times.draft_seconds / warm_up.steps.len().max(1) as f64,
         accept: warm_up.accept_step(),
     };
-    let WarmUp {
-        steps,
-        lookup_chains,
-        ..
-    } = warm_up;
-    let accuracy = rank_accuracy(&steps);
+    let (steps, lookup_chains) = (&warm_up.steps, &warm_up.lookup_chains);
+    let accuracy = rank_accuracy(steps);
     let mut options = Vec::new();
     for tree_tokens in TREE_SIZES.into_iter().filter(|&n| n <= max_tree_tokens) {
         let choices = TreeChoices::from_accuracies(&accuracy, tree_tokens);
@@ -540,10 +618,16 @@ pub fn tune_medusa(
                     .sum(),
                 latency.at(tree_tokens + 1) + costs.draft + costs.accept,
             ),
-            Some(chains) => mean_step(steps.iter().zip(chains).map(|((record, truth), chain)| {
-                let tree = choices.build(&record.guesses);
-                replay_step(tree, Some(chain), truth, &latency, costs)
-            })),
+            Some(chains) => mean_step(
+                steps
+                    .iter()
+                    .zip(chains)
+                    .map(|((record, truth), chain)| {
+                        let tree = choices.build(&record.guesses);
+                        replay_step(tree, Some(chain), truth, &latency, costs)
+                    })
+                    .chain(warm_up.alone_steps(&latency)),
+            ),
         };
         let predicted = prediction(
             format!("{tree_tokens} tokens from measured head accuracies"),
@@ -657,13 +741,19 @@ mod tests {
     /// widest one's by the rows curve.
     #[test]
     fn drafting_cost_follows_the_shape() {
-        let record = |root_seconds: f64, depth_seconds: Vec<f64>| DraftRecord {
+        let record = |root_seconds: f64, after_prompt: bool, depth_seconds: Vec<f64>| DraftRecord {
             root: 0,
             candidates: Vec::new(),
             root_seconds,
+            after_prompt,
             depth_seconds,
         };
-        let records = [record(1.0, vec![0.5, 0.5]), record(3.0, vec![1.0])];
+        // A prompt's first catch-up is left out of the roots' mean, not of the depths'.
+        let records = [
+            record(40.0, true, vec![0.5]),
+            record(1.0, false, vec![0.5]),
+            record(3.0, false, vec![1.0]),
+        ];
         let cost = DraftingCost::recorded(records.iter(), 4);
         let latency = LatencyProfile {
             tokens: vec![1, 4],
@@ -675,6 +765,8 @@ mod tests {
         assert!(close(cost.seconds(1, 1, &latency), 2.0));
         assert!(close(cost.seconds(3, 4, &latency), 2.0 + 2.0 * 2.0 / 3.0));
         assert!(close(cost.seconds(2, 1, &latency), 2.0 + 2.0 / 3.0 / 2.0));
+        let first_steps_only = DraftingCost::recorded(records[..1].iter(), 4);
+        assert!(close(first_steps_only.seconds(1, 4, &latency), 40.0));
     }
 
     #[test]

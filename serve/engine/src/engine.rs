@@ -135,9 +135,13 @@ impl<'t> Session<'t> {
             .lm_head
             .forward(&hidden, &self.cpu)
             .to_kind(Kind::Float);
+        // Greedy decoding reads the target's choice at every row as part of verifying: a pass
+        // over every row's logits, which grows with the tree as the forward does (the rows curve
+        // the tuner prices trees by times the same).
+        let choices = sampler.params().is_greedy().then(|| greedy_tokens(&logits));
         let verified_at = started.elapsed().as_secs_f64();
-        let Accepted { path, bonus } = if sampler.params().is_greedy() {
-            accept_greedy(&tree, &greedy_tokens(&logits))
+        let Accepted { path, bonus } = if let Some(choices) = &choices {
+            accept_greedy(&tree, choices)
         } else {
             let params = *sampler.params();
             let mut distribution = |entry: usize| {

@@ -70,6 +70,9 @@ pub struct DraftRecord {
     pub candidates: Vec<Candidate>,
     /// Seconds of the catch-up and the root's guesses: what every depth of tree pays.
     pub root_seconds: f64,
+    /// Whether this is a sequence's first step, whose catch-up fed the head the whole prompt:
+    /// paid once a prompt, not a step.
+    pub after_prompt: bool,
     /// Seconds of each later depth's expansion and guesses, in depth order (top-k rows each).
     pub depth_seconds: Vec<f64>,
 }
@@ -230,6 +233,7 @@ impl Drafter for EagleDrafter<'_> {
     fn draft(&mut self, verified: &Verified, _: &mut Sampler) -> Result<DraftTree> {
         let _no_grad = tch::no_grad_guard();
         let started = Instant::now();
+        let after_prompt = self.committed == 0;
         let mut store = vec![self.catch_up(verified)?];
         let mut candidates: Vec<Candidate> = Vec::new();
         let mut newest: Vec<usize> = Vec::new();
@@ -278,6 +282,7 @@ impl Drafter for EagleDrafter<'_> {
                 root: verified.context.len() - 1,
                 candidates,
                 root_seconds,
+                after_prompt,
                 depth_seconds,
             });
         }

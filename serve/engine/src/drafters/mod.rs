@@ -16,7 +16,7 @@ pub use eagle::{best_subtree, Candidate, DraftRecord, EagleDrafter, EagleTreeSha
 pub use lookup::LookupDrafter;
 pub use medusa::{GuessRecord, MedusaDrafter, RECORDED_RANKS};
 pub(crate) use with_lookup::{lookup_alone, most_nodes};
-pub use with_lookup::{most_grafted, WithLookup};
+pub use with_lookup::{most_grafted, LookupStep, WithLookup};
 
 use headway_model::Sampler;
 use tch::Tensor;
@@ -61,6 +61,30 @@ pub trait Drafter {
 
     /// Called before a new sequence: drop any state of the previous one.
     fn reset(&mut self) {}
+}
+
+/// A boxed drafter drafts as the drafter in it (a model drafter chosen at run time, under
+/// [`WithLookup`]).
+impl<D: Drafter + ?Sized> Drafter for Box<D> {
+    fn draft(&mut self, verified: &Verified, sampler: &mut Sampler) -> Result<DraftTree> {
+        (**self).draft(verified, sampler)
+    }
+
+    fn skip(&mut self, verified: &Verified) -> Result<()> {
+        (**self).skip(verified)
+    }
+
+    fn max_tree_tokens(&self) -> usize {
+        (**self).max_tree_tokens()
+    }
+
+    fn taps(&self) -> &[usize] {
+        (**self).taps()
+    }
+
+    fn reset(&mut self) {
+        (**self).reset()
+    }
 }
 
 /// Plain decoding: no draft, one token per target forward.

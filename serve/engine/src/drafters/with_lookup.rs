@@ -7,18 +7,24 @@
 
 use headway_model::Sampler;
 
-use super::{Drafter, LookupDrafter, Verified};
+use super::{Drafter, LookupDrafter, Recording, Verified};
 use crate::error::Result;
 use crate::tree::{DraftTree, Proposal};
 
-pub struct WithLookup<'a> {
-    model: Box<dyn Drafter + 'a>,
+pub struct WithLookup<D> {
+    model: D,
     lookup: LookupDrafter,
+    /// The roots of the steps whose lookup chain went alone, while recording.
+    alone_roots: Option<Vec<usize>>,
 }
 
-impl<'a> WithLookup<'a> {
-    pub fn new(model: Box<dyn Drafter + 'a>, lookup: LookupDrafter) -> Self {
-        Self { model, lookup }
+impl<D: Drafter> WithLookup<D> {
+    pub fn new(model: D, lookup: LookupDrafter) -> Self {
+        Self {
+            model,
+            lookup,
+            alone_roots: None,
+        }
     }
 }
 
@@ -47,7 +53,7 @@ pub(crate) fn most_nodes(model_nodes: usize, lookup_tokens: usize) -> usize {
     (model_nodes + most_grafted(lookup_tokens)).max(lookup_tokens)
 }
 
-impl Drafter for WithLookup<'_> {
+impl<D: Drafter> Drafter for WithLookup<D> {
     /// The model's tree with the lookup chain added as a deterministic path; a prefix of the
     /// chain that the model drafted too is shared (see [`DraftTree::graft_chain`]), so lossless
     /// acceptance still sees each candidate once per parent among the deterministic ones.
@@ -55,6 +61,9 @@ impl Drafter for WithLookup<'_> {
         let chain = self.lookup.propose(verified.context);
         if let Some(tree) = lookup_alone(&chain) {
             self.model.skip(verified)?;
+            if let Some(roots) = &mut self.alone_roots {
+                roots.push(verified.context.len() - 1);
+            }
             return Ok(tree);
         }
         let mut tree = self.model.draft(verified, sampler)?;
@@ -79,9 +88,129 @@ impl Drafter for WithLookup<'_> {
     }
 }
 
+/// A recorded step of a model drafter with lookup beside it: the model's record where it drafted,
+/// or the root of a step whose lookup chain went alone.
+#[derive(Debug, Clone)]
+pub enum LookupStep<R> {
+    Model(R),
+    Alone { root: usize },
+}
+
+/// Every step in order: the model's records and the steps lookup took alone, which the tuner
+/// replays beside them (steps recorded without lookup would weigh the text lookup copies by the
+/// many steps the model alone needs there, not by the few lookup's long chains take).
+impl<D: Recording> Recording for WithLookup<D> {
+    type Record = LookupStep<D::Record>;
+
+    fn record(&mut self) {
+        self.model.record();
+        self.alone_roots = Some(Vec::new());
+    }
+
+    fn take_records(&mut self) -> Vec<Self::Record> {
+        let alone = self.alone_roots.take().unwrap_or_default();
+        let mut steps: Vec<Self::Record> = self
+            .model
+            .take_records()
+            .into_iter()
+            .map(LookupStep::Model)
+            .chain(alone.into_iter().map(|root| LookupStep::Alone { root }))
+            .collect();
+        steps.sort_by_key(Self::root);
+        steps
+    }
+
+    fn root(record: &Self::Record) -> usize {
+        match record {
+            LookupStep::Model(record) => D::root(record),
+            LookupStep::Alone { root } => *root,
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+    use headway_model::SamplingParams;
+    use tch::{Device, Kind, Tensor};
+
+    /// Drafts one fixed token; records each root it drafted at, and counts its skips.
+    #[derive(Default)]
+    struct Recorded {
+        roots: Option<Vec<usize>>,
+        skipped: usize,
+    }
+
+    impl Drafter for Recorded {
+        fn draft(&mut self, verified: &Verified, _: &mut Sampler) -> Result<DraftTree> {
+            if let Some(roots) = &mut self.roots {
+                roots.push(verified.context.len() - 1);
+            }
+            Ok(DraftTree::chain(
+                &[7],
+                std::iter::once(Proposal::Deterministic),
+            ))
+        }
+
+        fn skip(&mut self, _: &Verified) -> Result<()> {
+            self.skipped += 1;
+            Ok(())
+        }
+
+        fn max_tree_tokens(&self) -> usize {
+            1
+        }
+    }
+
+    impl Recording for Recorded {
+        type Record = usize;
+
+        fn record(&mut self) {
+            self.roots = Some(Vec::new());
+        }
+
+        fn take_records(&mut self) -> Vec<usize> {
+            self.roots.take().unwrap_or_default()
+        }
+
+        fn root(record: &usize) -> usize {
+            *record
+        }
+    }
+
+    /// Recording through lookup keeps every step in order: the model's records where it drafted,
+    /// and the roots of the steps whose chain went alone, where the model only skipped.
+    #[test]
+    fn recorded_steps_are_the_models_and_lookups_alone_in_order() {
+        let mut drafter = WithLookup::new(Recorded::default(), LookupDrafter::default());
+        drafter.record();
+        let hidden = Tensor::zeros([1, 4], (Kind::Float, Device::Cpu));
+        let mut sampler = Sampler::new(SamplingParams::default());
+        // Root 2: no earlier match. Root 5: `1 2` matched, a chain of 3 goes alone. Root 8: only
+        // the unigram `5` matches, a chain of 1 is grafted.
+        let context = [1, 2, 3, 4, 1, 2, 5, 9, 5];
+        let mut sizes = Vec::new();
+        for root in [2, 5, 8] {
+            let verified = Verified {
+                context: &context[..=root],
+                hidden: &hidden,
+                taps: &[],
+            };
+            sizes.push(drafter.draft(&verified, &mut sampler).unwrap().len());
+        }
+        assert_eq!(sizes, [1, 3, 2]);
+        assert_eq!(drafter.model.skipped, 1);
+        let steps: Vec<String> = drafter
+            .take_records()
+            .iter()
+            .map(|step| match step {
+                LookupStep::Model(root) => format!("model {root}"),
+                LookupStep::Alone { root } => format!("alone {root}"),
+            })
+            .collect();
+        assert_eq!(steps, ["model 2", "alone 5", "model 8"]);
+        assert!(drafter.take_records().is_empty(), "recording stopped");
+    }
 
     /// A chain of one token is grafted onto the model's tree; one of two or more is verified
     /// alone, so it never adds to the tree's nodes.
