@@ -474,25 +474,17 @@ struct DraftingCost {
 }
 
 impl DraftingCost {
-    /// Means over the recorded steps of a drafter whose top-k was `widest_top_k`. The root's
-    /// mean leaves out each prompt's first step (its catch-up feeds the head the whole prompt,
-    /// once a prompt: 2–29 ms against a step's 0.5–1 ms on Spec-Bench's prompts), unless no other
-    /// step was recorded.
+    /// Means over the recorded steps of a drafter whose top-k was `widest_top_k` (the head's
+    /// pass over each prompt is its prefill, in no step).
     fn recorded<'r>(records: impl Iterator<Item = &'r DraftRecord>, widest_top_k: usize) -> Self {
-        // (steps, seconds) of the roots after a prompt, and of the others.
-        let mut roots = [(0usize, 0.0); 2];
+        let (mut steps, mut root) = (0usize, 0.0);
         let (mut depths, mut depth) = (0usize, 0.0);
         for record in records {
-            let root = &mut roots[usize::from(!record.after_prompt)];
-            root.0 += 1;
-            root.1 += record.root_seconds;
+            steps += 1;
+            root += record.root_seconds;
             depths += record.depth_seconds.len();
             depth += record.depth_seconds.iter().sum::<f64>();
         }
-        let (steps, root) = match roots {
-            [after_prompt, (0, _)] => after_prompt,
-            [_, steady] => steady,
-        };
         Self {
             root: root / steps.max(1) as f64,
             widest_depth: depth / depths.max(1) as f64,
@@ -741,18 +733,16 @@ mod tests {
     /// widest one's by the rows curve.
     #[test]
     fn drafting_cost_follows_the_shape() {
-        let record = |root_seconds: f64, after_prompt: bool, depth_seconds: Vec<f64>| DraftRecord {
+        let record = |root_seconds: f64, depth_seconds: Vec<f64>| DraftRecord {
             root: 0,
             candidates: Vec::new(),
             root_seconds,
-            after_prompt,
             depth_seconds,
         };
-        // A prompt's first catch-up is left out of the roots' mean, not of the depths'.
         let records = [
-            record(40.0, true, vec![0.5]),
-            record(1.0, false, vec![0.5]),
-            record(3.0, false, vec![1.0]),
+            record(1.0, vec![0.5]),
+            record(3.0, vec![0.5]),
+            record(2.0, vec![1.0]),
         ];
         let cost = DraftingCost::recorded(records.iter(), 4);
         let latency = LatencyProfile {
@@ -765,8 +755,6 @@ mod tests {
         assert!(close(cost.seconds(1, 1, &latency), 2.0));
         assert!(close(cost.seconds(3, 4, &latency), 2.0 + 2.0 * 2.0 / 3.0));
         assert!(close(cost.seconds(2, 1, &latency), 2.0 + 2.0 / 3.0 / 2.0));
-        let first_steps_only = DraftingCost::recorded(records[..1].iter(), 4);
-        assert!(close(first_steps_only.seconds(1, 4, &latency), 40.0));
     }
 
     #[test]

@@ -110,17 +110,27 @@ impl<'t> Session<'t> {
         &self.cache
     }
 
+    /// What the target verified since the drafter last saw the sequence.
+    fn verified(&self) -> Verified<'_> {
+        Verified {
+            context: &self.tokens,
+            hidden: &self.fresh_hidden,
+            taps: &self.fresh_taps,
+        }
+    }
+
+    /// Hands the prompt's rows to `drafter` ([`Drafter::prefill`]) before the first step; returns
+    /// the seconds it took.
+    pub fn prefill_drafter(&self, drafter: &mut dyn Drafter) -> Result<f64> {
+        let started = Instant::now();
+        drafter.prefill(&self.verified())?;
+        Ok(started.elapsed().as_secs_f64())
+    }
+
     /// One draft + verify step.
     pub fn step(&mut self, drafter: &mut dyn Drafter, sampler: &mut Sampler) -> Result<Step> {
         let started = Instant::now();
-        let tree = drafter.draft(
-            &Verified {
-                context: &self.tokens,
-                hidden: &self.fresh_hidden,
-                taps: &self.fresh_taps,
-            },
-            sampler,
-        )?;
+        let tree = drafter.draft(&self.verified(), sampler)?;
         // Tree positions must stay inside the model's context (the root sits at `prefix`).
         let prefix = self.cache.len();
         let context = self.target.model.config().max_position_embeddings;
@@ -197,6 +207,9 @@ impl<'t> Session<'t> {
 #[derive(Debug, Clone)]
 pub struct SpecGeneration {
     pub generation: Generation,
+    /// The drafter's own pass over the prompt ([`Drafter::prefill`]), after the first token was
+    /// emitted and before the first step: paid once a sequence, so in no step's drafting.
+    pub drafter_prefill_seconds: f64,
     /// Target forwards after the prompt's (one per step).
     pub steps: Vec<Step>,
 }
@@ -259,6 +272,10 @@ pub fn generate_speculative(
         stop_reason: None,
     };
     out.push(session.generated()[0], &mut stream, on_text)?;
+    let drafter_prefill_seconds = match out.stop_reason {
+        None => session.prefill_drafter(drafter)?,
+        Some(_) => 0.0,
+    };
     let mut steps = Vec::new();
     while out.stop_reason.is_none() {
         let step = session.step(drafter, sampler)?;
@@ -277,6 +294,7 @@ pub fn generate_speculative(
             prefill_seconds,
             seconds: start.elapsed().as_secs_f64(),
         },
+        drafter_prefill_seconds,
         steps,
     })
 }
@@ -362,6 +380,7 @@ mod tests {
                 prefill_seconds: 0.0,
                 seconds: 0.0,
             },
+            drafter_prefill_seconds: 0.0,
             steps: steps.iter().map(|e| step(e)).collect(),
         }
     }

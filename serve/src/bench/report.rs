@@ -132,6 +132,8 @@ pub struct MethodRun {
     pub verify_seconds: f64,
     /// Seconds choosing the accepted path and compacting the cache onto it.
     pub accept_seconds: f64,
+    /// The drafter's passes over the prompts ([`SpecGeneration::drafter_prefill_seconds`]).
+    pub drafter_prefill_seconds: f64,
     pub steps: usize,
     /// Sum of the steps' tree depths.
     depth_sum: usize,
@@ -162,6 +164,7 @@ impl MethodRun {
             rows.1 += step.verify_seconds;
         }
         self.steps += out.steps.len();
+        self.drafter_prefill_seconds += out.drafter_prefill_seconds;
         self.results.push(result);
     }
 }
@@ -229,6 +232,10 @@ pub struct StepProfile {
     pub acceptance_ms: f64,
     /// Drafting over the mean depth of the verified trees.
     pub draft_depth_ms: f64,
+    /// The drafter's pass over a prompt (its prefill: the head or draft model fed the whole
+    /// prompt once, in no step), mean over the prompts (absent in reports of older versions).
+    #[serde(default)]
+    pub drafter_prefill_ms: f64,
     /// `ar`'s step in the same run, and one draft depth as a share of it.
     pub plain_step_ms: Option<f64>,
     pub draft_depth_share: Option<f64>,
@@ -259,6 +266,7 @@ impl StepProfile {
             verification_ms: ms(run.verify_seconds),
             acceptance_ms: ms(run.accept_seconds),
             draft_depth_ms,
+            drafter_prefill_ms: 1e3 * run.drafter_prefill_seconds / run.results.len().max(1) as f64,
             plain_step_ms,
             draft_depth_share: plain_step_ms.map(|plain| draft_depth_ms / plain),
             verification_by_rows: run
@@ -286,11 +294,12 @@ impl StepProfile {
             .map(|v| format!("{}: {:.2} ms ({} steps)", v.rows, v.mean_ms, v.steps))
             .collect();
         format!(
-            "\nPer step: drafting {:.2} ms, verification {:.2} ms, acceptance + compaction {:.2} ms; one draft depth {:.2} ms{share}\nVerified rows → this run's mean verification: {}\n",
+            "\nPer step: drafting {:.2} ms, verification {:.2} ms, acceptance + compaction {:.2} ms; one draft depth {:.2} ms{share}; the drafter's pass over a prompt {:.2} ms\nVerified rows → this run's mean verification: {}\n",
             self.drafting_ms,
             self.verification_ms,
             self.acceptance_ms,
             self.draft_depth_ms,
+            self.drafter_prefill_ms,
             by_rows.join(", ")
         )
     }
@@ -595,6 +604,7 @@ mod tests {
                 prefill_seconds: 0.0,
                 seconds: 1.0,
             },
+            drafter_prefill_seconds: 0.003,
             steps: vec![step(0, 0.004), step(2, 0.005), step(0, 0.002)],
         };
         let mut run = MethodRun::default();
@@ -609,5 +619,11 @@ mod tests {
         assert!(profile
             .markdown()
             .contains("1: 3.00 ms (2 steps), 3: 5.00 ms (1 steps)"));
+        // The drafter's pass over the prompt is the prompt's, in no step's drafting.
+        assert!((profile.drafter_prefill_ms - 3.0).abs() < 1e-9);
+        assert_eq!(profile.drafting_ms, 0.0);
+        assert!(profile
+            .markdown()
+            .contains("the drafter's pass over a prompt 3.00 ms"));
     }
 }

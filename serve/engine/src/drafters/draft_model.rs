@@ -87,13 +87,14 @@ impl<'m> DraftModelDrafter<'m> {
         let logits = self.model.model.lm_head.forward(&last, &self.cpu);
         Ok(logits.narrow(0, 0, self.draft_width.min(self.target_width) as i64))
     }
-}
 
-impl Drafter for DraftModelDrafter<'_> {
-    fn draft(&mut self, verified: &Verified, sampler: &mut Sampler) -> Result<DraftTree> {
-        let context = verified.context;
-        // Keep the cached prefix that the context still agrees with, but always re-feed at least
-        // the last token to get logits after it.
+    /// Brings the cache to `context`: keeps the cached prefix that `context` still agrees with,
+    /// but always re-feeds at least the last token, and returns the logits after it. `None` where
+    /// the context holds an id the draft has no embedding for: a wider target can emit ids the
+    /// draft lacks (its padding rows, which a trained model all but never picks), and the draft
+    /// cannot read such a context: from then on it proposes nothing and the target decodes the
+    /// sequence alone.
+    fn catch_up(&mut self, context: &[u32]) -> Result<Option<Tensor>> {
         let common = self
             .cached
             .iter()
@@ -103,16 +104,30 @@ impl Drafter for DraftModelDrafter<'_> {
             .min(context.len() - 1);
         self.cache.truncate(common)?;
         self.cached.truncate(common);
-        // A wider target can emit ids the draft has no embedding for (its padding rows, which a
-        // trained model all but never picks). The draft cannot read such a context: from then on
-        // it proposes nothing and the target decodes the sequence alone.
         if context[common..]
             .iter()
             .any(|&t| t as usize >= self.draft_width)
         {
-            return Ok(DraftTree::new());
+            return Ok(None);
         }
-        let mut logits = self.feed(&context[common..])?;
+        self.feed(&context[common..]).map(Some)
+    }
+}
+
+impl Drafter for DraftModelDrafter<'_> {
+    /// Feeds the prompt but its last token, which the first draft feeds.
+    fn prefill(&mut self, verified: &Verified) -> Result<()> {
+        let before_root = &verified.context[..verified.context.len() - 1];
+        if !before_root.is_empty() {
+            self.catch_up(before_root)?;
+        }
+        Ok(())
+    }
+
+    fn draft(&mut self, verified: &Verified, sampler: &mut Sampler) -> Result<DraftTree> {
+        let Some(mut logits) = self.catch_up(verified.context)? else {
+            return Ok(DraftTree::new());
+        };
         let (mut tokens, mut proposals) = (Vec::new(), Vec::new());
         for i in 0..self.num_tokens {
             let (token, proposal) = if sampler.params().is_greedy() {

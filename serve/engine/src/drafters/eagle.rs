@@ -70,9 +70,6 @@ pub struct DraftRecord {
     pub candidates: Vec<Candidate>,
     /// Seconds of the catch-up and the root's guesses: what every depth of tree pays.
     pub root_seconds: f64,
-    /// Whether this is a sequence's first step, whose catch-up fed the head the whole prompt:
-    /// paid once a prompt, not a step.
-    pub after_prompt: bool,
     /// Seconds of each later depth's expansion and guesses, in depth order (top-k rows each).
     pub depth_seconds: Vec<f64>,
 }
@@ -90,6 +87,9 @@ pub struct EagleDrafter<'h> {
     records: Option<Vec<DraftRecord>>,
     /// Verified features and taps of skipped steps, fed at the next catch-up in one forward.
     skipped: Vec<(Tensor, Vec<Tensor>)>,
+    /// The head's prediction after the prompt ([`Drafter::prefill`]) and the context length it
+    /// follows: the first step's catch-up, already made.
+    primed: Option<(usize, Tensor)>,
 }
 
 impl<'h> EagleDrafter<'h> {
@@ -117,6 +117,7 @@ impl<'h> EagleDrafter<'h> {
             shape,
             records: None,
             skipped: Vec::new(),
+            primed: None,
         })
     }
 
@@ -229,12 +230,33 @@ impl<'h> EagleDrafter<'h> {
     }
 }
 
+impl EagleDrafter<'_> {
+    /// The prediction `prefill` made for this `verified`, if it did: its rows are in the cache.
+    fn take_primed(&mut self, verified: &Verified) -> Option<Tensor> {
+        self.primed
+            .take()
+            .filter(|(context, _)| *context == verified.context.len())
+            .map(|(_, prediction)| prediction)
+    }
+}
+
 impl Drafter for EagleDrafter<'_> {
+    /// The head's pass over the prompt: the first step's catch-up, made before it.
+    fn prefill(&mut self, verified: &Verified) -> Result<()> {
+        let _no_grad = tch::no_grad_guard();
+        let prediction = self.catch_up(verified)?;
+        self.primed = Some((verified.context.len(), prediction));
+        Ok(())
+    }
+
     fn draft(&mut self, verified: &Verified, _: &mut Sampler) -> Result<DraftTree> {
         let _no_grad = tch::no_grad_guard();
         let started = Instant::now();
-        let after_prompt = self.committed == 0;
-        let mut store = vec![self.catch_up(verified)?];
+        let root = match self.take_primed(verified) {
+            Some(prediction) => prediction,
+            None => self.catch_up(verified)?,
+        };
+        let mut store = vec![root];
         let mut candidates: Vec<Candidate> = Vec::new();
         let mut newest: Vec<usize> = Vec::new();
         let root_guesses = self.guesses(&store[0].unsqueeze(0))?.remove(0);
@@ -282,7 +304,6 @@ impl Drafter for EagleDrafter<'_> {
                 root: verified.context.len() - 1,
                 candidates,
                 root_seconds,
-                after_prompt,
                 depth_seconds,
             });
         }
@@ -292,6 +313,9 @@ impl Drafter for EagleDrafter<'_> {
     /// Keeps the verified rows for the next catch-up: one forward over several steps' rows costs
     /// little more than over one step's.
     fn skip(&mut self, verified: &Verified) -> Result<()> {
+        if self.take_primed(verified).is_some() {
+            return Ok(());
+        }
         self.skipped.push((
             verified.hidden.shallow_clone(),
             verified.taps.iter().map(Tensor::shallow_clone).collect(),
@@ -310,6 +334,7 @@ impl Drafter for EagleDrafter<'_> {
     fn reset(&mut self) {
         self.committed = 0;
         self.skipped.clear();
+        self.primed = None;
         self.cache
             .truncate(0)
             .expect("truncating to 0 always succeeds");
@@ -461,24 +486,31 @@ pub(crate) mod tests {
 
     /// With one child per node the tree is the head's greedy chain, which a plain sequential
     /// run of the head (cache, causal, no tree mask) must reproduce; a second step after some
-    /// accepted tokens must agree too (catch-up after truncating the drafted nodes).
+    /// accepted tokens must agree too (catch-up after truncating the drafted nodes). The prompt's
+    /// rows given to `prefill` first change nothing, whether the first step then drafts or skips.
     #[test]
     fn tree_drafting_equals_running_the_head_step_by_step() {
-        for skip_first in [false, true] {
+        for (skip_first, prefill) in [(false, false), (true, false), (false, true), (true, true)] {
+            let follows = |head: &dyn FeatureHead| {
+                tree_drafting_follows_the_heads_chain(head, skip_first, prefill)
+            };
             for layers in [1, 2] {
-                tree_drafting_follows_the_heads_chain(&tiny_frozen_head(5, layers), skip_first);
+                follows(&tiny_frozen_head(5, layers));
             }
-            let tapped = tapped_frozen_head(5, 1, vec![1, 0]);
-            tree_drafting_follows_the_heads_chain(&tapped, skip_first);
+            follows(&tapped_frozen_head(5, 1, vec![1, 0]));
             let mut eagle3 = headway_heads::testing::tiny_eagle3_head(5, vec![0, 1], 64);
             eagle3.params.freeze();
-            tree_drafting_follows_the_heads_chain(&eagle3, skip_first);
+            follows(&eagle3);
         }
     }
 
     /// With `skip_first`, the first step is skipped and the second catches up on both steps'
-    /// rows at once.
-    fn tree_drafting_follows_the_heads_chain(head: &dyn FeatureHead, skip_first: bool) {
+    /// rows at once; with `prefill`, the first step's rows go to [`Drafter::prefill`] before it.
+    fn tree_drafting_follows_the_heads_chain(
+        head: &dyn FeatureHead,
+        skip_first: bool,
+        prefill: bool,
+    ) {
         let _no_grad = tch::no_grad_guard();
         let h = tiny_config().hidden_size as i64;
         let shape = EagleTreeShape {
@@ -504,6 +536,9 @@ pub(crate) mod tests {
                 hidden: &fresh_rows(&hidden),
                 taps: &taps.iter().map(fresh_rows).collect::<Vec<_>>(),
             };
+            if prefill && len == 6 {
+                drafter.prefill(&verified).unwrap();
+            }
             if skip_first && len == 6 {
                 drafter.skip(&verified).unwrap();
                 continue;

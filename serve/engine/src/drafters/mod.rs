@@ -38,6 +38,14 @@ pub struct Verified<'a> {
 }
 
 pub trait Drafter {
+    /// Called once a sequence, after the target's prompt forward and before the first
+    /// [`Drafter::draft`] or [`Drafter::skip`], which then receive the same `verified`: a drafter
+    /// with a cache of its own (EAGLE's head, a draft model) runs its pass over the prompt here,
+    /// where it is the prompt's work and not a step's. By default: nothing.
+    fn prefill(&mut self, _verified: &Verified) -> Result<()> {
+        Ok(())
+    }
+
     /// Proposes the tree to verify after `verified.context`. Called once per target forward, in
     /// order, with every position that entered the target's cache since the previous call.
     fn draft(&mut self, verified: &Verified, sampler: &mut Sampler) -> Result<DraftTree>;
@@ -66,6 +74,10 @@ pub trait Drafter {
 /// A boxed drafter drafts as the drafter in it (a model drafter chosen at run time, under
 /// [`WithLookup`]).
 impl<D: Drafter + ?Sized> Drafter for Box<D> {
+    fn prefill(&mut self, verified: &Verified) -> Result<()> {
+        (**self).prefill(verified)
+    }
+
     fn draft(&mut self, verified: &Verified, sampler: &mut Sampler) -> Result<DraftTree> {
         (**self).draft(verified, sampler)
     }

@@ -54,6 +54,10 @@ pub(crate) fn most_nodes(model_nodes: usize, lookup_tokens: usize) -> usize {
 }
 
 impl<D: Drafter> Drafter for WithLookup<D> {
+    fn prefill(&mut self, verified: &Verified) -> Result<()> {
+        self.model.prefill(verified)
+    }
+
     /// The model's tree with the lookup chain added as a deterministic path; a prefix of the
     /// chain that the model drafted too is shared (see [`DraftTree::graft_chain`]), so lossless
     /// acceptance still sees each candidate once per parent among the deterministic ones.
