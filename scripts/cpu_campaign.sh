@@ -173,13 +173,25 @@ if not left:
     pass_, done = pass_ + 1, 0
     left = [i for i in order(pass_) if i not in held]
 picked = left[:chunk]
+progress_after = (pass_, done + len(picked))
+if len(picked) < chunk:
+    # The pass ends inside this chunk: the next pass's first conversations fill it (a piece of a
+    # few dozen would cost a restart and teach nothing), those just picked counted but not repeated.
+    chosen, taken = set(picked), 0
+    for i in (i for i in order(pass_ + 1) if i not in held):
+        if len(picked) == chunk:
+            break
+        taken += 1
+        if i not in chosen:
+            picked.append(i)
+    progress_after = (pass_ + 1, taken)
 with open(os.path.join(work, "eval.jsonl"), "w") as out:
     out.writelines(lines[i] for i in held_out if i in lines)
 with open(os.path.join(work, "chunk.jsonl"), "w") as out:
     out.writelines(lines[i] for i in picked)
 with open(os.path.join(work, "progress.txt"), "w") as out:
-    out.write(f"{pass_} {done + len(picked)}\n")
-print(f"pass {pass_}: {len(picked)} conversations, {len(left) - len(picked)} left in the pass")
+    out.write(f"{progress_after[0]} {progress_after[1]}\n")
+print(f"pass {pass_}: {len(picked)} conversations, {max(len(left) - len(picked), 0)} left in the pass; progress after the piece: pass {progress_after[0]}, {progress_after[1]} done")
 EOF
 }
 

@@ -140,7 +140,8 @@ fn the_campaign_dry_run_passes_on_the_cpu() {
 /// `scripts/cpu_campaign.sh` at toy sizes: a `replies` piece regenerates every reply and writes
 /// the journal to its state; a `train` piece on a fresh scratch directory (another machine) takes
 /// the journal back, sets the evaluation aside, trains the head further, leaves it in HEAD for the
-/// next piece and logs both pieces; a second `replies` piece finds nothing left to do.
+/// next piece and logs both pieces; a second `replies` piece finds nothing left to do; a second
+/// `train` piece larger than what is left of the pass fills its chunk from the next pass.
 #[test]
 fn the_cpu_campaign_pieces_resume_from_the_committed_state() {
     let dir = tempfile::tempdir().unwrap();
@@ -151,7 +152,7 @@ fn the_cpu_campaign_pieces_resume_from_the_committed_state() {
         std::fs::copy(shipped.join(file), head.join(file)).unwrap();
     }
     let bin = binary("headway-train");
-    let piece = |name: &str, work: &str| {
+    let piece_of = |name: &str, work: &str, chunk: &str| {
         let output = Command::new("bash")
             .arg(repository().join("scripts/cpu_campaign.sh"))
             .arg(name)
@@ -164,7 +165,7 @@ fn the_cpu_campaign_pieces_resume_from_the_committed_state() {
             .envs([
                 ("MAX_SEQS", "24"),
                 ("REPLY_TOKENS", "12"),
-                ("CHUNK", "8"),
+                ("CHUNK", chunk),
                 ("EVAL", "4"),
                 ("HELD_OUT", "0.3"),
                 ("MINUTES", "5"),
@@ -180,6 +181,7 @@ fn the_cpu_campaign_pieces_resume_from_the_committed_state() {
         );
         stdout(&output)
     };
+    let piece = |name: &str, work: &str| piece_of(name, work, "8");
     let replies = piece("replies", "work-a");
     assert!(
         replies.contains("24 of 24 conversations (24 in this piece)"),
@@ -199,7 +201,22 @@ fn the_cpu_campaign_pieces_resume_from_the_committed_state() {
     assert_eq!(read("replies-total.txt").trim(), "24");
     assert_eq!(read("eval-ids.txt").lines().count(), 4);
     assert_eq!(read("progress.txt"), "1 8\n");
+    // 20 conversations train (24 less the 4 evaluated): 12 are left of pass 1, and pass 2's
+    // first ones fill the chunk of 16.
+    let rolled = piece_of("train", "work-c", "16");
+    assert!(
+        rolled.contains("pass 1: 16 conversations, 0 left"),
+        "{rolled}"
+    );
+    let progress = read("progress.txt");
+    let (pass, done) = progress.trim().split_once(' ').unwrap();
+    assert_eq!(pass, "2", "{progress}");
+    assert!(
+        (4..=16).contains(&done.parse::<usize>().unwrap()),
+        "{progress}"
+    );
     let log = read("pieces.md");
+    assert!(log.contains("16 conversations"), "{log}");
     assert_eq!(
         log.lines().filter(|l| l.contains("| replies |")).count(),
         2,
@@ -207,7 +224,7 @@ fn the_cpu_campaign_pieces_resume_from_the_committed_state() {
     );
     assert_eq!(
         log.lines().filter(|l| l.contains("| train |")).count(),
-        1,
+        2,
         "{log}"
     );
     let config = std::fs::read_to_string(head.join("config.json")).unwrap();
