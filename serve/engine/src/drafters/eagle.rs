@@ -160,6 +160,14 @@ impl<'h> EagleDrafter<'h> {
         Ok(out.get(0).get(m as i64 - 1))
     }
 
+    /// The prediction `prefill` made for this `verified`, if it did: its rows are in the cache.
+    fn take_primed(&mut self, verified: &Verified) -> Option<Tensor> {
+        self.primed
+            .take()
+            .filter(|(context, _)| *context == verified.context.len())
+            .map(|(_, prediction)| prediction)
+    }
+
     /// `top_k` guesses (target ids, log-probabilities) for each row of `features` `[n, hidden]`.
     fn guesses(&self, features: &Tensor) -> Result<Vec<Vec<(u32, f32)>>> {
         let logits = self.modules.logits(features);
@@ -227,16 +235,6 @@ impl<'h> EagleDrafter<'h> {
             input.mask.as_ref(),
         )?;
         Ok(out.get(0))
-    }
-}
-
-impl EagleDrafter<'_> {
-    /// The prediction `prefill` made for this `verified`, if it did: its rows are in the cache.
-    fn take_primed(&mut self, verified: &Verified) -> Option<Tensor> {
-        self.primed
-            .take()
-            .filter(|(context, _)| *context == verified.context.len())
-            .map(|(_, prediction)| prediction)
     }
 }
 
