@@ -109,9 +109,14 @@ impl LatencyProfile {
         let mut fork_joins = vec![0; rows.len()];
         // Round by round over every size, not one size's forwards in a row: a slow spell of a
         // shared host then lands on one forward of many sizes, which each median drops, instead
-        // of on all forwards of one size.
+        // of on all forwards of one size. Largest first, so that each forward follows one a
+        // little larger, as in decoding: right after a forward of 64 rows, one row ran 25–45 %
+        // slower than after forwards of its own size, which made the one-row point, and every
+        // size's multiple of it, wrong (Intel Xeon host, Q4_1 GGUF after 500 tokens, 2 threads:
+        // one row 8.7–10.5 ms smallest first, 6.7–7.1 ms largest first, 6.8–7.3 ms after four
+        // one-row forwards; 4 rows 1.21–1.35× one row smallest first, 1.55–1.63× the others).
         for _ in 0..reps {
-            for (i, input) in inputs.iter().enumerate() {
+            for (i, input) in inputs.iter().enumerate().rev() {
                 let before = cpu.fork_joins();
                 times[i].push(forward(&mut cache, input)?);
                 fork_joins[i] = cpu.fork_joins() - before;
