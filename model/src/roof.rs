@@ -1,7 +1,8 @@
 //! What the host allows a product: how fast threads read bytes, and (with
-//! [`crate::quant_kernel::int8_mac_rate`]) how fast they multiply. A few-row product can go no
-//! faster than the slower of its bytes at the read rate and its multiply-accumulates at the MAC
-//! rate; kernels and benchmarks print their times beside that roof.
+//! [`crate::quant_kernel::int8_mac_rate`] and [`f32_fma_rate`]) how fast they multiply. A few-row
+//! product can go no faster than the slower of its bytes at the read rate and its
+//! multiply-accumulates at the MAC rate; kernels and benchmarks print their times beside that
+//! roof.
 
 use std::time::Instant;
 
@@ -74,6 +75,52 @@ fn lane_sum(bytes: &[u8]) -> u64 {
     lanes.iter().copied().chain(rest).fold(0, u64::wrapping_add)
 }
 
+/// f32 multiply-adds per second one thread does with 256-bit FMAs on its registers (eight a
+/// `vfmadd`): the compute roof of row attention and of products with f32 or bf16 weights, which
+/// the row kernels run as such FMAs; on AVX-512 hosts the same FMAs run on the same pipes (Zen 4
+/// splits a 512-bit one in two). Best of five runs of about a millisecond; `None` where the row
+/// kernels do not run (no AVX2 and FMA).
+pub fn f32_fma_rate() -> Option<f64> {
+    #[cfg(target_arch = "x86_64")]
+    if crate::row_kernel::available() {
+        const ROUNDS: usize = 1 << 15;
+        let best = (0..5)
+            .map(|_| {
+                let start = Instant::now();
+                // SAFETY: AVX2 and FMA are available (the row kernel's condition).
+                unsafe { fma::rounds(ROUNDS) };
+                start.elapsed().as_secs_f64()
+            })
+            .fold(f64::INFINITY, f64::min);
+        return Some((ROUNDS * fma::CHAINS * fma::LANES) as f64 / best);
+    }
+    None
+}
+
+#[cfg(target_arch = "x86_64")]
+mod fma {
+    use std::arch::x86_64::*;
+
+    /// Independent accumulator chains: enough to cover the FMA's latency (4 cycles) on both
+    /// pipes of the hosts seen.
+    pub(super) const CHAINS: usize = 12;
+    pub(super) const LANES: usize = 8;
+
+    /// `rounds` rounds of one FMA on each of [`CHAINS`] accumulators, each the last round's
+    /// result halved plus a constant (bounded: nothing overflows or turns subnormal).
+    #[target_feature(enable = "avx2,fma")]
+    pub(super) unsafe fn rounds(rounds: usize) {
+        let (half, one) = (_mm256_set1_ps(0.5), _mm256_set1_ps(1.0));
+        let mut sums = [_mm256_set1_ps(3.0); CHAINS];
+        for _ in 0..rounds {
+            for sum in sums.iter_mut() {
+                *sum = _mm256_fmadd_ps(*sum, half, one);
+            }
+        }
+        std::hint::black_box(sums);
+    }
+}
+
 /// The fastest a product of `bytes` weight bytes and `macs` multiply-accumulates can run, in
 /// seconds, at `read_rate` bytes and `mac_rate` MACs per second.
 pub fn roofline_seconds(bytes: f64, macs: f64, read_rate: f64, mac_rate: f64) -> f64 {
@@ -115,5 +162,14 @@ mod tests {
         assert_eq!(roofline_seconds(10.0, 30.0, 5.0, 10.0), 3.0);
         let bytes = vec![1u8; 1 << 20];
         assert!(read_rate(2, &[&bytes]) > 1e8);
+    }
+
+    /// Any host the row kernels run on does some billions of FMAs a second; far more than the
+    /// clock could allow would mean the loop was optimised away.
+    #[test]
+    fn the_fma_rate_is_a_host_rate() {
+        if let Some(rate) = f32_fma_rate() {
+            assert!((1e9..1e12).contains(&rate), "{rate}");
+        }
     }
 }

@@ -1,13 +1,14 @@
 //! What verifying more rows costs: the target's forward time for 1–16, 24, 32 and 64 new tokens
 //! after a prompt, each as a multiple of one row's, beside the roof the host sets — reading the
-//! step's weights and the prompt's keys and values at the rate the run measured, and (for
-//! quantised weights) their int8 multiply-accumulates at the rate the kernel's instruction reaches
-//! on this host. Speculative decoding pays only while k rows cost about one: this is the curve
-//! that says how far that holds.
+//! step's weights and the prompt's keys and values at the rate the run measured, or computing:
+//! the weights' multiply-accumulates (int8 where they run quantised, else f32 FMAs) plus row
+//! attention's f32 FMAs over every cached key, each at the rate its instruction reaches on this
+//! host (they share the same pipes, so their times add). Speculative decoding pays only while k
+//! rows cost about one: this is the curve that says how far that holds.
 
 use headway_engine::autotune::LatencyProfile;
 use headway_model::quant_kernel::{int8_mac_rate, kernel_isa};
-use headway_model::roof::roofline_seconds;
+use headway_model::roof::f32_fma_rate;
 use headway_model::{KvCache, Target};
 use serde::{Deserialize, Serialize};
 
@@ -45,8 +46,16 @@ pub struct RowsCurve {
     /// The run's best read rate (its threads together).
     pub read_bytes_per_s: f64,
     /// The int8 MAC rate of the run's threads (one thread's, measured, times the threads), where
-    /// the weights run quantised; `None` elsewhere (no compute roof is measured for f32/bf16).
+    /// the weights run quantised; `None` elsewhere.
     pub int8_macs_per_s: Option<f64>,
+    /// f32 FMAs one query row spends on one cached key, over every layer and query head (its
+    /// score and its weighted value); 0 in curves written before it was counted.
+    #[serde(default)]
+    pub attention_fmas_per_key: usize,
+    /// The f32 FMA rate of the run's threads (measured likewise): row attention's, and the
+    /// products' where the weights are f32 or bf16; `None` where the row kernels do not run.
+    #[serde(default)]
+    pub f32_fmas_per_s: Option<f64>,
 }
 
 impl RowsCurve {
@@ -66,6 +75,9 @@ impl RowsCurve {
             .runs_quantised()
             .then(|| int8_mac_rate(kernel_isa()) * host.threads as f64)
             .filter(|rate| *rate > 0.0);
+        let config = model.config();
+        let attention_fmas_per_key =
+            2 * config.num_attention_heads * config.head_dim * config.num_hidden_layers;
         Ok(Self {
             prefix,
             rows: profile.tokens,
@@ -76,40 +88,60 @@ impl RowsCurve {
             macs_per_row,
             read_bytes_per_s: host.read_bytes_per_s,
             int8_macs_per_s,
+            attention_fmas_per_key,
+            f32_fmas_per_s: f32_fma_rate().map(|rate| rate * host.threads as f64),
         })
     }
 
-    /// The fastest `rows` rows' weights can go: read once, multiplied `rows` times.
+    /// The fastest a forward of `rows` rows can go: the slower of reading the weights and the
+    /// cache once and of computing every row (no compute roof where no rate was measured).
     fn roof_seconds(&self, rows: usize) -> f64 {
-        let macs = (rows * self.macs_per_row) as f64;
-        let mac_rate = self.int8_macs_per_s.unwrap_or(f64::INFINITY);
-        roofline_seconds(
-            (self.weight_bytes + self.cache_bytes) as f64,
-            macs,
-            self.read_bytes_per_s,
-            mac_rate,
-        )
+        let read = (self.weight_bytes + self.cache_bytes) as f64 / self.read_bytes_per_s;
+        read.max(self.compute_seconds(rows))
+    }
+
+    /// The multiply-accumulates of `rows` rows at the host's rates: the weights' (int8 where
+    /// quantised, else f32) and attention's over the prompt and the rows themselves.
+    fn compute_seconds(&self, rows: usize) -> f64 {
+        let f32_rate = self.f32_fmas_per_s.unwrap_or(f64::INFINITY);
+        let weight_rate = self.int8_macs_per_s.unwrap_or(f32_rate);
+        let attention = rows * (self.prefix + rows) * self.attention_fmas_per_key;
+        (rows * self.macs_per_row) as f64 / weight_rate + attention as f64 / f32_rate
     }
 
     /// A markdown table: rows, ms, × one row, the roof's ms and the time as a multiple of it.
     pub fn markdown(&self) -> String {
-        let roof = match self.int8_macs_per_s {
-            Some(rate) => format!(
-                "the slower of reading {:.1} MB of weights and {:.1} MB of cached keys and values \
-                 at {:.1} GB/s and {:.1} M int8 MACs a row at {:.0} G/s",
-                self.weight_bytes as f64 / 1e6,
-                self.cache_bytes as f64 / 1e6,
-                self.read_bytes_per_s / 1e9,
+        let read = format!(
+            "reading {:.1} MB of weights and {:.1} MB of cached keys and values at {:.1} GB/s",
+            self.weight_bytes as f64 / 1e6,
+            self.cache_bytes as f64 / 1e6,
+            self.read_bytes_per_s / 1e9
+        );
+        let weights = |rate: f64, what: &str| {
+            format!(
+                "{:.1} M {what} a row at {:.0} G/s",
                 self.macs_per_row as f64 / 1e6,
                 rate / 1e9
+            )
+        };
+        let attention = match self.f32_fmas_per_s {
+            Some(rate) => format!(
+                " plus attention's {:.1} M f32 FMAs a row per 1,000 keys at {:.0} G/s",
+                self.attention_fmas_per_key as f64 * 1e3 / 1e6,
+                rate / 1e9
             ),
-            None => format!(
-                "reading {:.1} MB of weights and {:.1} MB of cached keys and values at {:.1} GB/s \
-                 (no compute roof measured for dense weights)",
-                self.weight_bytes as f64 / 1e6,
-                self.cache_bytes as f64 / 1e6,
-                self.read_bytes_per_s / 1e9
-            ),
+            None => String::new(),
+        };
+        let roof = match (self.int8_macs_per_s, self.f32_fmas_per_s) {
+            (Some(rate), _) => {
+                let weights = weights(rate, "int8 MACs");
+                format!("the slower of {read} and of computing {weights}{attention}")
+            }
+            (None, Some(rate)) => {
+                let weights = weights(rate, "f32 FMAs");
+                format!("the slower of {read} and of computing {weights}{attention}")
+            }
+            (None, None) => format!("{read} (no compute roof measured)"),
         };
         let mut out = format!(
             "\nForward time by new tokens after a {}-token prompt; roof: {roof}.\n\n\
@@ -137,7 +169,7 @@ impl RowsCurve {
 mod tests {
     use super::*;
 
-    fn curve(int8_macs_per_s: Option<f64>) -> RowsCurve {
+    fn curve(int8_macs_per_s: Option<f64>, f32_fmas_per_s: Option<f64>) -> RowsCurve {
         RowsCurve {
             prefix: 500,
             rows: vec![1, 2, 64],
@@ -148,14 +180,16 @@ mod tests {
             macs_per_row: 100_000_000,
             read_bytes_per_s: 50e9,
             int8_macs_per_s,
+            attention_fmas_per_key: 100_000,
+            f32_fmas_per_s,
         }
     }
 
-    /// One row is bound by the read of weights and cache (2 ms), 64 rows by the MACs (6.4e9 at 400 G/s: 16 ms); with no
-    /// compute roof, every row count by the read alone.
+    /// One row is bound by the read of weights and cache (2 ms), 64 rows by the MACs (6.4e9 at
+    /// 400 G/s: 16 ms); with no compute roof, every row count by the read alone.
     #[test]
     fn the_roof_is_the_read_until_the_multiplies_take_longer() {
-        let quantised = curve(Some(400e9));
+        let quantised = curve(Some(400e9), None);
         assert!((quantised.roof_seconds(1) - 0.002).abs() < 1e-12);
         assert!((quantised.roof_seconds(64) - 0.016).abs() < 1e-12);
         let table = quantised.markdown();
@@ -167,8 +201,27 @@ mod tests {
             table.contains("| 1 | 4.00 | 1.00 | 2.00 | 2.00 | 151 |"),
             "{table}"
         );
-        let dense = curve(None);
-        assert!((dense.roof_seconds(64) - 0.002).abs() < 1e-12);
-        assert!(dense.markdown().contains("no compute roof"));
+        let unknown = curve(None, None);
+        assert!((unknown.roof_seconds(64) - 0.002).abs() < 1e-12);
+        assert!(unknown.markdown().contains("no compute roof"));
+    }
+
+    /// Attention's FMAs add to the weights' MACs: 64 rows over 564 keys at 100,000 FMAs a key
+    /// are 3.6096e9 FMAs, 36.096 ms at 100 G/s, beside the MACs' 16 ms. Dense weights take the
+    /// f32 rate for their MACs too (6.4e9 at 100 G/s: 64 ms).
+    #[test]
+    fn attention_adds_its_fmas_to_the_compute_roof() {
+        let quantised = curve(Some(400e9), Some(100e9));
+        assert!((quantised.roof_seconds(64) - 0.052_096).abs() < 1e-9);
+        // One row: 501 keys, 0.501 ms of FMAs beside 0.25 ms of MACs: still the read's 2 ms.
+        assert!((quantised.roof_seconds(1) - 0.002).abs() < 1e-12);
+        assert!(quantised
+            .markdown()
+            .contains("100.0 M f32 FMAs a row per 1,000 keys"));
+        let dense = curve(None, Some(100e9));
+        assert!((dense.roof_seconds(64) - 0.100_096).abs() < 1e-9);
+        assert!(dense
+            .markdown()
+            .contains("100.0 M f32 FMAs a row at 100 G/s"));
     }
 }
