@@ -484,6 +484,11 @@ fn exports_write_what_each_loader_reads_and_refuse_what_none_can() {
             "{lookup:?}"
         );
     }
+    // Prompt lookup alone tunes its tokens after each match length the same way.
+    assert_eq!(
+        generate(&["--method", "lookup", "--tree-tokens", "auto"]),
+        plain
+    );
     let (out, exported) = export(&eagle3, "eagle3", "eagle3-out", &[]);
     assert!(out.status.success(), "{}", stderr(&out));
     let written = config(&exported);

@@ -30,12 +30,13 @@ use headway_model::{greedy_tokens, ForwardInput, KvCache, Target, TreeInput};
 use tch::Kind;
 
 use crate::drafters::{
-    best_subtree, lookup_alone, Candidate, DraftRecord, EagleDrafter, EagleTreeShape, GuessRecord,
-    LookupDrafter, LookupStep, MedusaDrafter, Recording, WithLookup,
+    best_subtree, longest_match, lookup_alone, Candidate, DraftRecord, EagleDrafter,
+    EagleTreeShape, GuessRecord, LookupDrafter, LookupStep, MedusaDrafter, Recording, WithLookup,
+    LONGEST_MATCH,
 };
 use crate::engine::generate_greedy;
 use crate::error::Result;
-use crate::tree::{DraftTree, TreeChoices};
+use crate::tree::{DraftTree, Proposal, TreeChoices};
 
 /// Tree sizes tried: up to 63 nodes, which with the root fill the 64 rows verified exactly
 /// (`ROW_KERNEL_MAX_ROWS`).
@@ -317,13 +318,22 @@ fn profile_and_record<D: Recording>(
             }
         }
     }
+    Ok((warm_up_latency(target, prompts, new_tokens)?, warm_up))
+}
+
+/// The target's latency profile after the mean context of warm-up steps over `prompts` with
+/// `new_tokens` each (see [`profile_and_record`]).
+fn warm_up_latency(
+    target: &Target,
+    prompts: &[Vec<u32>],
+    new_tokens: usize,
+) -> Result<LatencyProfile> {
     let mean_context = prompts
         .iter()
         .map(|p| p.len() + new_tokens / 2)
         .sum::<usize>()
         / prompts.len().max(1);
-    let latency = LatencyProfile::measure(target, mean_context.max(64), 5)?;
-    Ok((latency, warm_up))
+    LatencyProfile::measure(target, mean_context.max(64), 5)
 }
 
 /// Greedy decoding of `prompt` by `drafter` while it records: its records, and the prompt with
@@ -576,6 +586,115 @@ pub fn tune_eagle(
     Ok(finish(options, &latency))
 }
 
+/// One step of a lookup warm-up: the match lookup found before it (if any), the tokens after
+/// that match (as many as the widest lookup proposes), and the tokens the target emitted after
+/// the step's root.
+#[derive(Debug, Clone)]
+pub struct LookupRecord {
+    pub match_length: Option<usize>,
+    pub continuation: Vec<u32>,
+    pub truth: Vec<u32>,
+}
+
+/// Tunes prompt lookup's tokens after a match of each length (`after_match`, each up to
+/// `widest`'s) on this device: the warm-up decodes with `widest`, and every step is replayed with
+/// each choice of caps, the chain cut to its match length's cap. Matches differ in what they
+/// predict (a lone repeated token is right about a quarter of the time, a repeated trigram far
+/// more often), and each proposed token costs a verified row.
+pub fn tune_lookup(
+    target: &Target,
+    widest: &LookupDrafter,
+    prompts: &[Vec<u32>],
+    new_tokens: usize,
+) -> Result<(LookupDrafter, Tuning)> {
+    let mut times = StepTimes::default();
+    let mut records = Vec::new();
+    for prompt in prompts {
+        let out = generate_greedy(target, &mut widest.clone(), prompt, new_tokens)?;
+        times.draft_seconds += out.steps.iter().map(|s| s.draft_seconds).sum::<f64>();
+        times.accept_seconds += out.steps.iter().map(|s| s.accept_seconds).sum::<f64>();
+        times.step_count += out.steps.len();
+        let sequence: Vec<u32> = prompt
+            .iter()
+            .chain(&out.generation.tokens)
+            .copied()
+            .collect();
+        // The prompt's forward emits the first token; each step's root is the last emitted.
+        let mut root = prompt.len();
+        for step in &out.steps {
+            records.push(lookup_record(widest, &sequence, root));
+            root += step.emitted.len();
+        }
+    }
+    let latency = warm_up_latency(target, prompts, new_tokens)?;
+    let costs = StepCosts {
+        draft: times.draft_seconds / times.step_count.max(1) as f64,
+        accept: times.accept_seconds / times.step_count.max(1) as f64,
+    };
+    let options = lookup_options(widest, &records, &latency, costs);
+    Ok(finish(options, &latency))
+}
+
+/// What lookup proposed at `root` of `sequence` (the context up to and including it) and what
+/// followed.
+fn lookup_record(widest: &LookupDrafter, sequence: &[u32], root: usize) -> LookupRecord {
+    let context = &sequence[..=root];
+    let found = longest_match(context);
+    LookupRecord {
+        match_length: found.map(|m| m.length),
+        continuation: widest.propose(context),
+        truth: sequence[root + 1..].to_vec(),
+    }
+}
+
+/// Every choice of caps up to `widest`'s, predicted from `records` replayed with it.
+fn lookup_options(
+    widest: &LookupDrafter,
+    records: &[LookupRecord],
+    latency: &LatencyProfile,
+    costs: StepCosts,
+) -> Vec<(Prediction, LookupDrafter)> {
+    let most = widest.after_match.map(|m| m.min(widest.num_tokens));
+    cap_choices(most)
+        .into_iter()
+        .map(|after_match| {
+            let tuned = LookupDrafter {
+                after_match,
+                ..*widest
+            };
+            let (accepted, seconds) = mean_step(records.iter().map(|record| {
+                let cap = record.match_length.map_or(0, |n| after_match[n - 1]);
+                let chain = &record.continuation[..record.continuation.len().min(cap)];
+                let tree = DraftTree::chain(chain, std::iter::repeat(Proposal::Deterministic));
+                let seconds = latency.at(tree.len() + 1) + costs.draft + costs.accept;
+                (accepted_length(&tree, &record.truth), seconds)
+            }));
+            let caps: Vec<String> = after_match.iter().map(usize::to_string).collect();
+            let description = format!("lookup, tokens after a 1/2/3 match: {}", caps.join("/"));
+            let longest = after_match.into_iter().max().unwrap_or(0);
+            (prediction(description, longest, accepted, seconds), tuned)
+        })
+        .collect()
+}
+
+/// Every array of caps with each entry from 0 to `most`'s.
+fn cap_choices(most: [usize; LONGEST_MATCH]) -> Vec<[usize; LONGEST_MATCH]> {
+    let mut choices = vec![[0; LONGEST_MATCH]];
+    for (i, &top) in most.iter().enumerate() {
+        choices = choices
+            .into_iter()
+            .flat_map(|caps| {
+                (0..=top).map(move |cap| {
+                    let mut caps = caps;
+                    caps[i] = cap;
+                    caps
+                })
+            })
+            .collect();
+    }
+    choices
+}
+
 /// Tunes the size of a Medusa tree built from the heads' per-rank accuracies, measured while
 /// decoding the warm-up prompts, alone or beside `lookup` (`--with-lookup`).
 pub fn tune_medusa(
@@ -736,6 +855,49 @@ mod tests {
 
     /// Every tree pays the recorded catch-up; each further depth an expansion priced from the
     /// widest one's by the rows curve.
+    /// Unigram matches that never predict and trigram matches that always do, at half a row's
+    /// cost for each extra row: lookup should propose nothing after a unigram and its whole
+    /// chain after a trigram (no bigram matched: its cap ties, and the smallest is kept).
+    #[test]
+    fn lookup_caps_follow_what_each_match_length_predicts() {
+        let latency = LatencyProfile {
+            tokens: vec![1, 2, 4, 8],
+            seconds: vec![1.0, 1.5, 2.5, 4.5],
+            fork_joins: vec![0; 4],
+        };
+        let record = |match_length, continuation: &[u32], truth: &[u32]| LookupRecord {
+            match_length: Some(match_length),
+            continuation: continuation.to_vec(),
+            truth: truth.to_vec(),
+        };
+        let records: Vec<LookupRecord> = (0..10)
+            .flat_map(|_| {
+                [
+                    record(1, &[7], &[8, 9]),
+                    record(3, &[1, 2, 3, 4, 5], &[1, 2, 3, 4, 5, 6]),
+                ]
+            })
+            .chain(std::iter::once(LookupRecord {
+                match_length: None,
+                continuation: Vec::new(),
+                truth: vec![4],
+            }))
+            .collect();
+        let costs = StepCosts {
+            draft: 0.0,
+            accept: 0.0,
+        };
+        let widest = LookupDrafter::default();
+        let options = lookup_options(&widest, &records, &latency, costs);
+        assert_eq!(options.len(), 2 * 4 * 6);
+        let (best, tuning) = finish(options, &latency);
+        assert_eq!(best.after_match, [0, 0, 5]);
+        // 50 tokens accepted over 21 steps, 10 of one row, 10 of six and one of one.
+        assert!((tuning.best.accepted - 50.0 / 21.0).abs() < 1e-12);
+        assert!((tuning.best.step_seconds - (11.0 + 10.0 * 3.5) / 21.0).abs() < 1e-12);
+        assert!(tuning.best.description.contains("0/0/5"));
+    }
+
     #[test]
     fn drafting_cost_follows_the_shape() {
         let record = |root_seconds: f64, depth_seconds: Vec<f64>| DraftRecord {

@@ -13,7 +13,7 @@ pub use draft_model::DraftModelDrafter;
 #[cfg(test)]
 pub(crate) use eagle::tests::tiny_frozen_head;
 pub use eagle::{best_subtree, Candidate, DraftRecord, EagleDrafter, EagleTreeShape};
-pub use lookup::LookupDrafter;
+pub use lookup::{longest_match, LookupDrafter, Match, LONGEST_MATCH};
 pub use medusa::{GuessRecord, MedusaDrafter, RECORDED_RANKS};
 pub(crate) use with_lookup::{lookup_alone, most_nodes};
 pub use with_lookup::{most_grafted, LookupStep, WithLookup};
