@@ -30,11 +30,11 @@ use headway_model::{greedy_tokens, ForwardInput, KvCache, Target, TreeInput};
 use tch::Kind;
 
 use crate::drafters::{
-    best_subtree, longest_match, lookup_alone, Candidate, DraftRecord, EagleDrafter,
+    best_subtree, longest_match, lookup_alone, Candidate, DraftRecord, Drafter, EagleDrafter,
     EagleTreeShape, GuessRecord, LookupDrafter, LookupStep, MedusaDrafter, Recording, WithLookup,
     LONGEST_MATCH,
 };
-use crate::engine::generate_greedy;
+use crate::engine::{generate_greedy, Step};
 use crate::error::Result;
 use crate::tree::{DraftTree, Proposal, TreeChoices};
 
@@ -346,6 +346,19 @@ fn decode_recorded<W: Recording>(
     times: &mut StepTimes,
 ) -> Result<(Vec<W::Record>, Vec<u32>)> {
     drafter.record();
+    let (_, sequence) = decode_timed(target, drafter, prompt, new_tokens, times)?;
+    Ok((drafter.take_records(), sequence))
+}
+
+/// Greedy decoding of `prompt` by `drafter`: its steps, and the prompt with the tokens emitted
+/// after it; the steps' times are added to `times`.
+fn decode_timed(
+    target: &Target,
+    drafter: &mut dyn Drafter,
+    prompt: &[u32],
+    new_tokens: usize,
+    times: &mut StepTimes,
+) -> Result<(Vec<Step>, Vec<u32>)> {
     let out = generate_greedy(target, drafter, prompt, new_tokens)?;
     times.draft_seconds += out.steps.iter().map(|s| s.draft_seconds).sum::<f64>();
     times.accept_seconds += out.steps.iter().map(|s| s.accept_seconds).sum::<f64>();
@@ -355,7 +368,7 @@ fn decode_recorded<W: Recording>(
         .chain(&out.generation.tokens)
         .copied()
         .collect();
-    Ok((drafter.take_records(), sequence))
+    Ok((out.steps, sequence))
 }
 
 /// Accepted length of `tree` when the right continuation after the root is `truth`.
@@ -610,18 +623,11 @@ pub fn tune_lookup(
     let mut times = StepTimes::default();
     let mut records = Vec::new();
     for prompt in prompts {
-        let out = generate_greedy(target, &mut widest.clone(), prompt, new_tokens)?;
-        times.draft_seconds += out.steps.iter().map(|s| s.draft_seconds).sum::<f64>();
-        times.accept_seconds += out.steps.iter().map(|s| s.accept_seconds).sum::<f64>();
-        times.step_count += out.steps.len();
-        let sequence: Vec<u32> = prompt
-            .iter()
-            .chain(&out.generation.tokens)
-            .copied()
-            .collect();
+        let (steps, sequence) =
+            decode_timed(target, &mut widest.clone(), prompt, new_tokens, &mut times)?;
         // The prompt's forward emits the first token; each step's root is the last emitted.
         let mut root = prompt.len();
-        for step in &out.steps {
+        for step in &steps {
             records.push(lookup_record(widest, &sequence, root));
             root += step.emitted.len();
         }
@@ -642,7 +648,7 @@ fn lookup_record(widest: &LookupDrafter, sequence: &[u32], root: usize) -> Looku
     let found = longest_match(context);
     LookupRecord {
         match_length: found.map(|m| m.length),
-        continuation: widest.propose(context),
+        continuation: found.map_or_else(Vec::new, |m| widest.tokens_after(context, m)),
         truth: sequence[root + 1..].to_vec(),
     }
 }
@@ -853,8 +859,6 @@ mod tests {
         assert_eq!(mean_step([(1, 3.75), (3, 4.25)].into_iter()), (2.0, 4.0));
     }
 
-    /// Every tree pays the recorded catch-up; each further depth an expansion priced from the
-    /// widest one's by the rows curve.
     /// Unigram matches that never predict and trigram matches that always do, at half a row's
     /// cost for each extra row: lookup should propose nothing after a unigram and its whole
     /// chain after a trigram (no bigram matched: its cap ties, and the smallest is kept).
@@ -898,6 +902,8 @@ mod tests {
         assert!(tuning.best.description.contains("0/0/5"));
     }
 
+    /// Every tree pays the recorded catch-up; each further depth an expansion priced from the
+    /// widest one's by the rows curve.
     #[test]
     fn drafting_cost_follows_the_shape() {
         let record = |root_seconds: f64, depth_seconds: Vec<f64>| DraftRecord {

@@ -44,13 +44,13 @@ impl LookupDrafter {
     /// The tokens after the latest earlier match of the longest matching suffix n-gram, as many
     /// as [`Self::after_match`] allows for its length (and [`Self::num_tokens`]).
     pub fn propose(&self, context: &[u32]) -> Vec<u32> {
-        match longest_match(context) {
-            Some(found) => {
-                let most = self.num_tokens.min(self.after_match[found.length - 1]);
-                context[found.after..(found.after + most).min(context.len())].to_vec()
-            }
-            None => Vec::new(),
-        }
+        longest_match(context).map_or_else(Vec::new, |found| self.tokens_after(context, found))
+    }
+
+    /// What this drafter proposes after `found`, a match in `context`.
+    pub fn tokens_after(&self, context: &[u32], found: Match) -> Vec<u32> {
+        let most = self.num_tokens.min(self.after_match[found.length - 1]);
+        context[found.after..(found.after + most).min(context.len())].to_vec()
     }
 }
 
