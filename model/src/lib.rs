@@ -48,7 +48,7 @@ pub use kv_cache::KvCache;
 pub use linear::ROW_KERNEL_MAX_ROWS;
 pub use llama::{
     AttentionInput, CausalLm, DecoderLayer, ForwardInput, ForwardOutput, Llama, LmHead, RmsNorm,
-    Rotary,
+    Rotary, SequenceForward,
 };
 pub use mask::TreeInput;
 pub use sampling::{greedy_tokens, Sampler, SamplingArgs, SamplingParams};

@@ -13,14 +13,18 @@ use crate::allocator;
 use crate::config::ModelConfig;
 use crate::cpu::CpuPolicy;
 use crate::kv_cache::KvCache;
-use crate::linear::{Linear, Matrix, ROW_KERNEL_MAX_ROWS};
+use crate::linear::{plain_cpu_f32, Linear, Matrix, ROW_KERNEL_MAX_ROWS};
 use crate::mask::TreeInput;
 use crate::on_devices::OnDevices;
 use crate::row_attention::{self, KeyMask};
+use crate::row_kernel;
+use crate::spin_pool::SpinPool;
 use crate::weights::{OnDevice, ShapeRecorder, WeightSource};
 use crate::{ModelError, Result};
 
 mod rows;
+
+use rows::SequenceRows;
 
 /// Loads `{prefix}.{part}.weight` (and `.bias` when `with_bias`) for each part and stacks them
 /// along the output dimension; `rows[i]` is part `i`'s output size.
@@ -399,11 +403,17 @@ struct LayerContext<'a> {
 impl LayerContext<'_> {
     /// The keys each new token may attend to, as row attention reads them.
     fn key_mask(&self) -> KeyMask<'_> {
-        match (self.mask, self.is_causal) {
-            (Some(mask), _) => KeyMask::Given(mask),
-            (None, true) => KeyMask::Causal,
-            (None, false) => KeyMask::All,
-        }
+        key_mask(self.mask, self.is_causal)
+    }
+}
+
+/// The keys each new token may attend to, as row attention reads them: `mask` where given, else
+/// in order (`is_causal`) or all.
+fn key_mask(mask: Option<&Tensor>, is_causal: bool) -> KeyMask<'_> {
+    match (mask, is_causal) {
+        (Some(mask), _) => KeyMask::Given(mask),
+        (None, true) => KeyMask::Causal,
+        (None, false) => KeyMask::All,
     }
 }
 
@@ -631,6 +641,12 @@ impl<'a> ForwardInput<'a> {
     }
 }
 
+/// One sequence of [`Llama::forward_sequences`]: its new tokens and its own cache.
+pub struct SequenceForward<'a> {
+    pub input: ForwardInput<'a>,
+    pub cache: &'a mut KvCache,
+}
+
 /// Outputs of one forward pass.
 pub struct ForwardOutput {
     /// Final hidden states after the last norm, `[batch, new, hidden]`: what the LM head reads.
@@ -760,6 +776,144 @@ impl Llama {
         })
     }
 
+    /// [`Self::forward`] for several sequences at once, each over its own cache: what continuous
+    /// batching verifies in one step. Each sequence's outputs are the ones its own forward would
+    /// give, bit for bit: sequences that the few-row path takes together ([`Self::fused_groups`])
+    /// run every layer's products once over all their rows and attention per sequence; any
+    /// other sequence runs alone. Outputs in the order of `sequences`.
+    pub fn forward_sequences(
+        &self,
+        sequences: &mut [SequenceForward],
+    ) -> Result<Vec<ForwardOutput>> {
+        let groups = self.fused_groups(sequences);
+        let mut members: Vec<Vec<&mut SequenceForward>> =
+            groups.iter().map(|_| Vec::new()).collect();
+        let mut group_of = vec![0; sequences.len()];
+        for (group, indices) in groups.iter().enumerate() {
+            indices.iter().for_each(|&index| group_of[index] = group);
+        }
+        for (index, sequence) in sequences.iter_mut().enumerate() {
+            members[group_of[index]].push(sequence);
+        }
+        let mut outputs: Vec<Option<ForwardOutput>> = group_of.iter().map(|_| None).collect();
+        for (indices, mut group) in groups.iter().zip(members) {
+            let group_outputs = match &mut group[..] {
+                [alone] => vec![self.forward(&alone.input, Some(&mut *alone.cache))?],
+                together => self.forward_fused(together)?,
+            };
+            for (&index, output) in indices.iter().zip(group_outputs) {
+                outputs[index] = Some(output);
+            }
+        }
+        Ok(outputs.into_iter().flatten().collect())
+    }
+
+    /// `sequences` (their indices, in order) in groups that run together on the few-row path:
+    /// one token sequence each (batch 1) of at most [`ROW_KERNEL_MAX_ROWS`] rows over a cache
+    /// the path reads, with the same taps and decoding pool, at most [`ROW_KERNEL_MAX_ROWS`] rows
+    /// in all, each sequence in the first group it fits. Any other sequence is a group of its own,
+    /// as is a lone sequence (unchecked: [`Self::forward`] checks it).
+    fn fused_groups(&self, sequences: &[SequenceForward]) -> Vec<Vec<usize>> {
+        let rows_path = sequences.len() > 1
+            && row_kernel::available()
+            && plain_cpu_f32(&self.norm.weight)
+            && self.layers.iter().all(DecoderLayer::weights_run_rows);
+        // What sequences run together share: their taps and pool (`None`: runs alone).
+        type Key<'a> = Option<(&'a [usize], *const SpinPool)>;
+        // Open groups: their key, rows so far and members.
+        let mut groups: Vec<(Key, usize, Vec<usize>)> = Vec::new();
+        for (index, sequence) in sequences.iter().enumerate() {
+            let input = &sequence.input;
+            let size = input.input_ids.size();
+            let new = size.get(1).copied().unwrap_or(0) as usize;
+            let cache = &*sequence.cache;
+            let fusable = rows_path
+                && size.len() == 2
+                && size[0] == 1
+                && (1..=ROW_KERNEL_MAX_ROWS).contains(&new)
+                && (0..self.layers.len()).all(|layer| rows::cache_runs_rows(cache, layer, 1));
+            let key = input
+                .cpu
+                .pool()
+                .filter(|_| fusable)
+                .map(|pool| (input.taps, std::ptr::from_ref(pool)));
+            let open = groups.iter_mut().find(|(group_key, rows, _)| {
+                key.is_some() && *group_key == key && rows + new <= ROW_KERNEL_MAX_ROWS
+            });
+            match open {
+                Some((_, rows, members)) => {
+                    *rows += new;
+                    members.push(index);
+                }
+                None => groups.push((key, new, vec![index])),
+            }
+        }
+        groups.into_iter().map(|(_, _, members)| members).collect()
+    }
+
+    /// A group of [`Self::fused_groups`] in one pass of the layers over all their rows.
+    fn forward_fused(&self, sequences: &mut [&mut SequenceForward]) -> Result<Vec<ForwardOutput>> {
+        let cpu = sequences[0].input.cpu;
+        let wanted_taps = sequences[0].input.taps;
+        let pool = cpu.pool().expect("fused_groups checked the policy");
+        cpu.enter();
+        let mut masks = Vec::with_capacity(sequences.len());
+        for sequence in sequences.iter() {
+            let (past, input) = (sequence.cache.len(), &sequence.input);
+            self.check_input(input, past)?;
+            let new = input.input_ids.size()[1] as usize;
+            sequence.cache.check_room(new, self.layers.len())?;
+            masks.push(attention_mask(past, new, input.mask, Device::Cpu));
+        }
+        let news: Vec<usize> = sequences
+            .iter()
+            .map(|s| s.input.input_ids.size()[1] as usize)
+            .collect();
+        let ids: Vec<&Tensor> = sequences.iter().map(|s| s.input.input_ids).collect();
+        let positions: Vec<&Tensor> = sequences.iter().map(|s| s.input.positions).collect();
+        let mut x = self
+            .embed_tokens
+            .rows(&Tensor::f_cat(&ids, 1)?)
+            .to_kind(self.norm.weight.kind());
+        let rope = self
+            .rotary
+            .cos_sin(&Tensor::f_cat(&positions, 1)?, x.kind());
+        let mut taps: Vec<Option<Tensor>> = wanted_taps.iter().map(|_| None).collect();
+        for (index, layer) in self.layers.iter().enumerate() {
+            record_tap(&mut taps, wanted_taps, index, &x);
+            let mut rows: Vec<SequenceRows> = sequences
+                .iter_mut()
+                .zip(&masks)
+                .zip(&news)
+                .map(|((sequence, implicit), &new)| SequenceRows {
+                    cache: &mut *sequence.cache,
+                    new,
+                    mask: sequence.input.mask.or(implicit.mask.as_ref()),
+                    is_causal: implicit.is_causal,
+                })
+                .collect();
+            x = layer.forward_rows_of_sequences(&x, &rope, index, &mut rows, pool);
+        }
+        for (sequence, &new) in sequences.iter_mut().zip(&news) {
+            sequence.cache.advance(new);
+        }
+        let hidden = self.norm.forward_rows_where_plain(&x);
+        let taps: Vec<Tensor> = taps.into_iter().flatten().collect();
+        let mut start = 0;
+        Ok(news
+            .iter()
+            .map(|&new| {
+                let of_sequence = |t: &Tensor| t.narrow(1, start, new as i64);
+                let output = ForwardOutput {
+                    hidden: of_sequence(&hidden),
+                    taps: taps.iter().map(of_sequence).collect(),
+                };
+                start += new as i64;
+                output
+            })
+            .collect())
+    }
+
     /// Validates shapes, taps and token ids.
     fn check_input(&self, input: &ForwardInput, past: usize) -> Result<()> {
         let ids = input.input_ids.size();
@@ -866,6 +1020,35 @@ impl LmHead {
     /// need (the last one when decoding).
     pub fn forward(&self, hidden: &Tensor, cpu: &CpuPolicy) -> Tensor {
         self.projection.forward(hidden, cpu)
+    }
+
+    /// [`Self::forward`] of several sequences' hidden rows (each `[n, hidden]`), the rows of as
+    /// many sequences as fit the few-row kernel's [`ROW_KERNEL_MAX_ROWS`] in one product: each
+    /// sequence's logits are the bits its own product gives, at a fraction of the weight reads.
+    pub fn forward_sequences(&self, hidden: &[Tensor], cpu: &CpuPolicy) -> Vec<Tensor> {
+        let mut logits = Vec::with_capacity(hidden.len());
+        let mut rest = hidden;
+        while !rest.is_empty() {
+            let mut rows = 0;
+            let together = rest
+                .iter()
+                .take_while(|h| {
+                    rows += h.size()[0] as usize;
+                    rows <= ROW_KERNEL_MAX_ROWS
+                })
+                .count()
+                .max(1);
+            let (group, after) = rest.split_at(together);
+            let product = self.forward(&Tensor::cat(group, 0), cpu);
+            let mut start = 0;
+            for h in group {
+                let n = h.size()[0];
+                logits.push(product.narrow(0, start, n));
+                start += n;
+            }
+            rest = after;
+        }
+        logits
     }
 
     pub fn weight(&self) -> &Tensor {

@@ -100,14 +100,14 @@ pub fn attend(
     // keys and values `[batch, kv_heads, len, dim]` rows as `cached` describes; all alive for
     // the call.
     unsafe {
-        attend_rows(
-            queries32.data_ptr() as *const f32,
+        let part = AttentionPart {
+            queries: queries32.data_ptr() as *const f32,
             layout,
             cached,
             mask,
-            (out.data_ptr() as *mut f32, layout.strides),
-            pool,
-        )
+            out: (out.data_ptr() as *mut f32, layout.strides),
+        };
+        attend_rows(&[part], pool)
     };
     out.to_kind(kind)
 }
@@ -145,69 +145,114 @@ pub(crate) struct RowLayout {
     pub strides: RowStrides,
 }
 
-/// [`attend`] for queries wherever they lie (the fused q/k/v rows of [`crate::llama`]'s
-/// few-row layer), writing each output row at `out.1`'s strides from `out.0`.
+/// One attention problem of [`attend_rows`]: query rows wherever they lie (the fused q/k/v rows
+/// of [`crate::llama`]'s few-row layer), the keys and values they read, which keys each may see,
+/// and where each output row goes (`out.0` at `out.1`'s strides). A forward over several
+/// sequences has one part per sequence, each over its own cache.
+pub(crate) struct AttentionPart<'a> {
+    pub queries: *const f32,
+    pub layout: RowLayout,
+    pub cached: KeyValueRows,
+    pub mask: KeyMask<'a>,
+    pub out: (*mut f32, RowStrides),
+}
+
+/// One part as the pool's threads read it: addresses only, the mask's bytes kept alive beside.
+struct PartPlan {
+    shape: Shape,
+    pointers: Pointers,
+    allowed: Allowed,
+    rows: usize,
+}
+
+/// [`attend`] for every part in one parallel region, its query rows split over `pool`'s threads
+/// by the keys they read (a row's work grows with its part's keys).
 ///
 /// # Safety
-/// `queries` addresses the rows `layout` describes, `cached` its batch's keys and values, and
-/// `out.0` as many rows at `out.1`, all alive for the call, the output rows written by nobody
-/// else.
-pub(crate) unsafe fn attend_rows(
-    queries: *const f32,
-    layout: RowLayout,
-    cached: KeyValueRows,
-    mask: KeyMask,
-    out: (*mut f32, RowStrides),
-    pool: &SpinPool,
-) {
-    let RowLayout {
-        batch,
-        heads,
-        new,
-        dim,
-        ..
-    } = layout;
-    let KeyValueRows { kv_heads, len, .. } = cached;
-    // The mask's bytes, kept alive here while the pool's threads read them.
-    let given_mask = match mask {
-        KeyMask::Given(m) => Some(m.to_kind(Kind::Bool).contiguous()),
-        KeyMask::Causal | KeyMask::All => None,
-    };
-    let mask = match (&given_mask, mask) {
-        (Some(m), _) => Allowed::Given {
-            batch_stride: if m.size()[0] == 1 { 0 } else { new * len },
-        },
-        (None, KeyMask::Causal) => Allowed::Causal,
-        (None, _) => Allowed::All,
-    };
-    let shape = Shape {
-        heads,
-        kv_heads,
-        group: heads / kv_heads.max(1),
-        new,
-        len,
-        dim,
-        scale: 1.0 / (dim as f32).sqrt(),
-    };
-    let pointers = Pointers {
-        queries: queries as usize,
-        query_strides: layout.strides,
-        cached,
-        out: out.0 as usize,
-        out_strides: out.1,
-        mask: given_mask.as_ref().map_or(0, |m| m.data_ptr() as usize),
-    };
-    let rows = batch * heads * new;
-    let part_len = rows.div_ceil(pool.parallelism());
-    let run_part = |part: usize| {
-        let first = (part * part_len).min(rows);
-        let end = (first + part_len).min(rows);
-        // SAFETY: the tensors behind `pointers` are f32 (keys and values of `elements`, the mask
-        // bool) of the shapes read above, their rows of `dim` elements contiguous (the mask
-        // wholly), and outlive the call; each part writes only its own rows of `out`.
-        unsafe { shape.rows(pointers, &mask, first, end) };
+/// Each part's `queries` addresses the rows its `layout` describes, `cached` its batch's keys and
+/// values, and `out.0` as many rows at `out.1`, all alive for the call, the output rows written
+/// by nobody else.
+pub(crate) unsafe fn attend_rows(parts: &[AttentionPart], pool: &SpinPool) {
+    // The masks' bytes, kept alive here while the pool's threads read them.
+    let given_masks: Vec<Option<Tensor>> = parts
+        .iter()
+        .map(|part| match part.mask {
+            KeyMask::Given(m) => Some(m.to_kind(Kind::Bool).contiguous()),
+            KeyMask::Causal | KeyMask::All => None,
+        })
+        .collect();
+    let plans: Vec<PartPlan> = parts
+        .iter()
+        .zip(&given_masks)
+        .map(|(part, given_mask)| part.plan(given_mask.as_ref()))
+        .collect();
+    // Part `i`'s rows take `[starts[i], starts[i + 1])` of the work, `len` units a row.
+    let mut starts = vec![0usize];
+    for plan in &plans {
+        starts.push(starts.last().unwrap() + plan.rows * plan.shape.len.max(1));
+    }
+    let total = *starts.last().unwrap();
+    let threads = pool.parallelism();
+    let run_part = |thread: usize| {
+        let (from, to) = (total * thread / threads, total * (thread + 1) / threads);
+        for (plan, &start) in plans.iter().zip(&starts) {
+            // The rows whose work starts in `[from, to)`.
+            let cost = plan.shape.len.max(1);
+            let row_at = |work: usize| work.saturating_sub(start).div_ceil(cost).min(plan.rows);
+            let (first, end) = (row_at(from), row_at(to));
+            if first < end {
+                // SAFETY: the tensors behind the part's pointers are f32 (keys and values of
+                // `elements`, the mask bool) of the shapes read above, their rows of `dim`
+                // elements contiguous (the mask wholly), and outlive the call; each thread writes
+                // only its own rows of `out`.
+                unsafe { plan.shape.rows(plan.pointers, &plan.allowed, first, end) };
+            }
+        }
     };
     pool.run(&run_part);
+}
+
+impl AttentionPart<'_> {
+    fn plan(&self, given_mask: Option<&Tensor>) -> PartPlan {
+        let RowLayout {
+            batch,
+            heads,
+            new,
+            dim,
+            ..
+        } = self.layout;
+        let KeyValueRows { kv_heads, len, .. } = self.cached;
+        let allowed = match (given_mask, self.mask) {
+            (Some(m), _) => Allowed::Given {
+                batch_stride: if m.size()[0] == 1 { 0 } else { new * len },
+            },
+            (None, KeyMask::Causal) => Allowed::Causal,
+            (None, _) => Allowed::All,
+        };
+        let shape = Shape {
+            heads,
+            kv_heads,
+            group: heads / kv_heads.max(1),
+            new,
+            len,
+            dim,
+            scale: 1.0 / (dim as f32).sqrt(),
+        };
+        let pointers = Pointers {
+            queries: self.queries as usize,
+            query_strides: self.layout.strides,
+            cached: self.cached,
+            out: self.out.0 as usize,
+            out_strides: self.out.1,
+            mask: given_mask.map_or(0, |m| m.data_ptr() as usize),
+        };
+        PartPlan {
+            shape,
+            pointers,
+            allowed,
+            rows: batch * heads * new,
+        }
+    }
 }
 
 /// `t [batch, kv_heads, len, dim]` with rows of `dim` contiguous elements: a cache's keys or

@@ -10,7 +10,8 @@ use headway_model::config::HfConfig;
 use headway_model::mask::tree_depths;
 use headway_model::testing::tiny_config_json;
 use headway_model::{
-    CausalLm, CpuPolicy, CpuThreads, ForwardInput, KvCache, ModelConfig, RandomWeights, TreeInput,
+    CausalLm, CpuPolicy, CpuThreads, ForwardInput, KvCache, ModelConfig, RandomWeights,
+    SequenceForward, TreeInput,
 };
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
@@ -214,6 +215,123 @@ fn smollm2_verifies_trees_bit_for_bit_as_decoding_them() {
         };
         for &(prefix, size) in trees {
             check_tree(&target.model, target.kind, prefix, size, size as u64);
+        }
+    }
+}
+
+/// One sequence of a batch: its prompt's length and what it feeds next (`None`: a causal run of
+/// that many tokens, else a random tree of that many).
+struct BatchedSequence {
+    prefix: usize,
+    new: usize,
+    tree: bool,
+}
+
+/// Sequences of different lengths, some decoding one token, some verifying trees and one feeding
+/// a causal run, forwarded together (more rows than one fused pass takes, so they split): each
+/// gets the hidden states its own forward gives and its cache the same rows, bit for bit.
+#[test]
+fn sequences_forwarded_together_get_their_own_forwards_bits() {
+    let batch = [(5, 1, false), (37, 8, true), (1, 1, false), (120, 17, true)]
+        .into_iter()
+        .chain([
+            (600, 3, true),
+            (64, 1, false),
+            (9, 4, false),
+            (20, 30, true),
+        ])
+        .chain([(3, 1, false), (513, 40, true), (7, 1, false)])
+        .map(|(prefix, new, tree)| BatchedSequence { prefix, new, tree });
+    let batch: Vec<BatchedSequence> = batch.collect();
+    for config in configs() {
+        let model = model(&config, Kind::Float);
+        for (cache_kind, threads) in [(Kind::Float, 1), (Kind::Half, 1), (Kind::Float, 2)] {
+            let mut rng = StdRng::seed_from_u64(21);
+            let mut alone_caches = Vec::new();
+            let mut together_caches = Vec::new();
+            let mut inputs = Vec::new();
+            for sequence in &batch {
+                let prompt: Vec<u32> = (0..sequence.prefix)
+                    .map(|_| rng.random_range(0..config.vocab_size as u32))
+                    .collect();
+                let room = sequence.prefix + sequence.new;
+                let caches = [(); 2].map(|_| {
+                    let mut cache =
+                        KvCache::new(&config, 1, room, cache_kind, Device::Cpu).unwrap();
+                    let prompt = TreeInput::causal(0, &prompt, Device::Cpu);
+                    let _prefill = forward(&model, &prompt, &mut cache);
+                    cache
+                });
+                let [alone, together] = caches;
+                let input = if sequence.tree {
+                    let (tokens, parents) = random_tree(&mut rng, sequence.new, config.vocab_size);
+                    TreeInput::tree(sequence.prefix, &tokens, &parents, Device::Cpu).unwrap()
+                } else {
+                    let tokens: Vec<u32> = (0..sequence.new)
+                        .map(|_| rng.random_range(0..config.vocab_size as u32))
+                        .collect();
+                    TreeInput::causal(sequence.prefix, &tokens, Device::Cpu)
+                };
+                alone_caches.push(alone);
+                together_caches.push(together);
+                inputs.push(input);
+            }
+            // One thread: a pool of this test's own (pools are shared by thread count), so that
+            // the fork-joins counted below are its alone while other tests run; two: the
+            // sequences' rows split between the threads.
+            let cpu = CpuThreads::new(threads).decode();
+            let taps = [1];
+            let mut sequences: Vec<SequenceForward> = inputs
+                .iter()
+                .zip(together_caches.iter_mut())
+                .map(|(input, cache)| SequenceForward {
+                    input: ForwardInput::new(input, &taps, &cpu),
+                    cache,
+                })
+                .collect();
+            let joins = cpu.fork_joins();
+            let together = model.model.forward_sequences(&mut sequences).unwrap();
+            let together_joins = cpu.fork_joins() - joins;
+            drop(sequences);
+            let joins = cpu.fork_joins();
+            for (index, (input, cache)) in inputs.iter().zip(alone_caches.iter_mut()).enumerate() {
+                let alone = model
+                    .model
+                    .forward(&ForwardInput::new(input, &taps, &cpu), Some(cache))
+                    .unwrap();
+                let what = format!(
+                    "hidden {}, {cache_kind:?} cache, sequence {index}",
+                    config.hidden_size
+                );
+                assert!(
+                    alone.hidden.equal(&together[index].hidden),
+                    "hidden differs: {what}"
+                );
+                assert!(
+                    alone.taps[0].equal(&together[index].taps[0]),
+                    "tap differs: {what}"
+                );
+                let other = &together_caches[index];
+                assert_eq!(cache.len(), other.len(), "{what}");
+                for layer in 0..config.num_hidden_layers {
+                    let (keys, values) = cache.layer(layer);
+                    let (other_keys, other_values) = other.layer(layer);
+                    assert!(
+                        keys.equal(&other_keys),
+                        "keys of layer {layer} differ: {what}"
+                    );
+                    assert!(
+                        values.equal(&other_values),
+                        "values of layer {layer} differ: {what}"
+                    );
+                }
+            }
+            // Three passes (of 37, 30 and 40 rows), against eleven forwards.
+            let alone_joins = cpu.fork_joins() - joins;
+            assert!(
+                threads > 1 || 2 * together_joins < alone_joins,
+                "{together_joins} fork-joins together, {alone_joins} alone: not fused"
+            );
         }
     }
 }

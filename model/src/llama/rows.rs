@@ -13,12 +13,12 @@
 
 use tch::{Device, Kind, Tensor};
 
-use super::{Attention, DecoderLayer, LayerContext, Mlp, RmsNorm};
+use super::{key_mask, Attention, DecoderLayer, LayerContext, Mlp, RmsNorm};
 use crate::kv_cache::KvCache;
 use crate::linear::{
     even_part, f32_slice, f32_slice_mut, plain_cpu_f32, ColumnSplit, Linear, ROW_KERNEL_MAX_ROWS,
 };
-use crate::row_attention::{self, KeyValueRows, RowLayout, RowStrides};
+use crate::row_attention::{self, AttentionPart, KeyMask, KeyValueRows, RowLayout, RowStrides};
 use crate::row_kernel;
 use crate::spin_pool::SpinPool;
 use crate::{kv_elements, Dtype};
@@ -50,17 +50,9 @@ impl DecoderLayer {
                 && t.numel() == rows * self.self_attn.head_dim as usize
         });
         let cache_rows = ctx.cache.as_deref().is_some_and(|cache| {
-            let (keys, values) = cache.storage(ctx.layer);
-            [keys, values].into_iter().all(|t| {
-                Dtype::of_kind(t.kind()).is_some()
-                    && t.device() == Device::Cpu
-                    && !t.requires_grad()
-                    && t.is_contiguous()
-                    && t.size()[0] == size[0]
-            })
+            size.first()
+                .is_some_and(|&batch| cache_runs_rows(cache, ctx.layer, batch))
         });
-        let norms = self.norms().all(|norm| plain_cpu_f32(&norm.weight));
-        let linears = self.linears().all(Linear::runs_rows);
         ctx.cpu.pool().is_some()
             && row_kernel::available()
             && size.len() == 3
@@ -69,8 +61,13 @@ impl DecoderLayer {
             && (1..=ROW_KERNEL_MAX_ROWS).contains(&rows)
             && rope_rows
             && cache_rows
-            && norms
-            && linears
+            && self.weights_run_rows()
+    }
+
+    /// Whether every norm and product of the layer is one the few-row path takes.
+    pub(super) fn weights_run_rows(&self) -> bool {
+        self.norms().all(|norm| plain_cpu_f32(&norm.weight))
+            && self.linears().all(Linear::runs_rows)
     }
 
     fn norms(&self) -> impl Iterator<Item = &RmsNorm> {
@@ -102,6 +99,51 @@ impl DecoderLayer {
         ctx: &mut LayerContext,
     ) -> Tensor {
         let pool = ctx.cpu.pool().expect("runs_rows checked the pool");
+        let (kv_heads, dim) = self.self_attn.kv_shape();
+        let cache = ctx
+            .cache
+            .as_deref_mut()
+            .expect("runs_rows checked the cache");
+        let new = x.size()[1] as usize;
+        let cache = CacheRows::new(cache, ctx.layer, (kv_heads, dim), new);
+        let parts = [CachedRows {
+            cache,
+            mask: ctx.key_mask(),
+        }];
+        self.rows_over(x, given, rope, &parts, pool)
+    }
+
+    /// The layer over rows of several sequences at once, each over its own cache (`parts`, in
+    /// the order of `x`'s rows): the products run once over every row, attention per sequence.
+    /// Where [`Self::runs_rows`] holds for `x` against each part's cache.
+    pub(super) fn forward_rows_of_sequences(
+        &self,
+        x: &Tensor,
+        rope: &(Tensor, Tensor),
+        layer: usize,
+        sequences: &mut [SequenceRows],
+        pool: &SpinPool,
+    ) -> Tensor {
+        let kv_shape = self.self_attn.kv_shape();
+        let parts: Vec<CachedRows> = sequences
+            .iter_mut()
+            .map(|sequence| CachedRows {
+                cache: CacheRows::new(sequence.cache, layer, kv_shape, sequence.new),
+                mask: sequence.key_mask(),
+            })
+            .collect();
+        self.rows_over(x, None, rope, &parts, pool)
+    }
+
+    /// The layer on row buffers: `x`'s rows are `parts`' rows in order.
+    fn rows_over(
+        &self,
+        x: &Tensor,
+        given: Option<&Tensor>,
+        rope: &(Tensor, Tensor),
+        parts: &[CachedRows],
+        pool: &SpinPool,
+    ) -> Tensor {
         let x = x.contiguous();
         let size = x.size();
         let input = f32_slice(&x);
@@ -115,10 +157,7 @@ impl DecoderLayer {
             (None, Some(normed)) => &normed[..],
             (None, None) => input,
         };
-        let batch_new = (size[0] as usize, size[1] as usize);
-        let attended = self
-            .self_attn
-            .rows(attention_input, batch_new, rope, ctx, pool);
+        let attended = self.self_attn.rows(attention_input, parts, rope, pool);
         let mut out = Tensor::empty(size.as_slice(), (Kind::Float, Device::Cpu));
         let residual = f32_slice_mut(&mut out);
         self.self_attn
@@ -133,20 +172,59 @@ impl DecoderLayer {
     }
 }
 
+/// One sequence of a forward over several ([`crate::Llama::forward_sequences`]): its cache and
+/// which keys its `new` rows may attend to.
+pub(super) struct SequenceRows<'a> {
+    pub cache: &'a mut KvCache,
+    pub new: usize,
+    pub mask: Option<&'a Tensor>,
+    pub is_causal: bool,
+}
+
+impl SequenceRows<'_> {
+    fn key_mask(&self) -> KeyMask<'_> {
+        key_mask(self.mask, self.is_causal)
+    }
+}
+
+/// The rows of one cache in a few-row layer: where their keys and values go, which keys each
+/// may attend to.
+struct CachedRows<'m> {
+    cache: CacheRows,
+    mask: KeyMask<'m>,
+}
+
+/// Whether the few-row layer writes and reads `layer` of `cache` for `batch` sequences: CPU
+/// storage of a row-kernel element type, contiguous, without gradients.
+pub(super) fn cache_runs_rows(cache: &KvCache, layer: usize, batch: i64) -> bool {
+    let (keys, values) = cache.storage(layer);
+    [keys, values].into_iter().all(|t| {
+        Dtype::of_kind(t.kind()).is_some()
+            && t.device() == Device::Cpu
+            && !t.requires_grad()
+            && t.is_contiguous()
+            && t.size()[0] == batch
+    })
+}
+
 /// `sum[i] += add[i]`.
 fn add_into(sum: &mut [f32], add: &[f32]) {
     sum.iter_mut().zip(add).for_each(|(s, a)| *s += a);
 }
 
 impl Attention {
-    /// Attended values `[batch, new, heads · head_dim]` of `input` (`batch × new` rows), the new
-    /// keys and values written into `ctx`'s cache after its rows.
+    /// Key/value heads and the head width.
+    fn kv_shape(&self) -> (usize, usize) {
+        (self.num_kv_heads as usize, self.head_dim as usize)
+    }
+
+    /// Attended values (`heads · head_dim` features a row) of `input`, whose rows are `parts`'
+    /// rows in order; each part's new keys and values written into its cache after its rows.
     fn rows(
         &self,
         input: &[f32],
-        (batch, new): (usize, usize),
+        parts: &[CachedRows],
         rope: &(Tensor, Tensor),
-        ctx: &mut LayerContext,
         pool: &SpinPool,
     ) -> Vec<f32> {
         let (heads, kv_heads, dim) = (
@@ -155,7 +233,16 @@ impl Attention {
             self.head_dim as usize,
         );
         let width = (heads + 2 * kv_heads) * dim;
-        let rows = batch * new;
+        let rows = input.len() / self.qkv_proj.in_features();
+        // Each row's part and its row within that part.
+        let row_parts: Vec<(usize, usize)> = parts
+            .iter()
+            .enumerate()
+            .flat_map(|(index, part)| (0..part.cache.rows()).map(move |row| (index, row)))
+            .collect();
+        assert_eq!(row_parts.len(), rows, "the parts cover the input's rows");
+        // The caches alone go to the threads: a mask is a tensor, which is not `Sync`.
+        let caches: Vec<&CacheRows> = parts.iter().map(|part| &part.cache).collect();
         let mut qkv = vec![0f32; rows * width];
         let (cos, sin) = (f32_slice(&rope.0), f32_slice(&rope.1));
         // Weights and ε only: the closures below run on every thread, and a tensor is not `Sync`.
@@ -163,23 +250,18 @@ impl Attention {
             let weights = (f32_slice(&q.weight), f32_slice(&k.weight));
             ((weights.0, q.eps), (weights.1, k.eps))
         });
-        let cache = ctx
-            .cache
-            .as_deref_mut()
-            .expect("runs_rows checked the cache");
-        let cache_rows = CacheRows::new(cache, ctx.layer, (kv_heads, dim), new);
         // Each thread takes whole heads: it rotates its queries and keys (their norms first, where
         // the model has them) and writes its keys and values into the cache, in the product's own
         // parallel region. Every head gets the same operations on whichever thread it lands.
-        let parts = pool.parallelism();
+        let threads = pool.parallelism();
         let head_align = self.qkv_proj.column_align() / gcd(self.qkv_proj.column_align(), dim);
-        let heads_of = |part| even_part(heads + 2 * kv_heads, parts, head_align, part);
+        let heads_of = |part| even_part(heads + 2 * kv_heads, threads, head_align, part);
         let ranges = |part| {
             let own = heads_of(part);
             [own.start * dim..own.end * dim, 0..0]
         };
         let then = |part, qkv: *mut f32| {
-            for row in 0..rows {
+            for (row, &(cache_part, cache_row)) in row_parts.iter().enumerate() {
                 let (cos, sin) = (&cos[row * dim..][..dim], &sin[row * dim..][..dim]);
                 for head in heads_of(part) {
                     // SAFETY: `qkv` holds rows × width floats, and this part alone touches its
@@ -196,7 +278,7 @@ impl Attention {
                     }
                     if head >= heads {
                         // SAFETY: this part alone writes this head's cache rows.
-                        unsafe { cache_rows.write(row, head - heads, values) };
+                        unsafe { caches[cache_part].write(cache_row, head - heads, values) };
                     }
                 }
             }
@@ -207,37 +289,47 @@ impl Attention {
         };
         self.qkv_proj
             .forward_rows_split(input, &mut qkv, pool, &split);
-        let cached = cache_rows.written();
-        let mut out = vec![0f32; batch * new * heads * dim];
-        let queries = RowLayout {
-            batch,
-            heads,
-            new,
-            dim,
-            strides: RowStrides {
-                batch: new * width,
-                head: dim,
-                token: width,
-            },
-        };
-        let out_strides = RowStrides {
-            batch: new * heads * dim,
-            head: dim,
-            token: heads * dim,
-        };
-        // SAFETY: `qkv` holds the query rows `queries` describes (each row's heads first), `out`
-        // the output rows at `out_strides`; both outlive the call, as does the cache `cached`
-        // reads (borrowed by `ctx`).
-        unsafe {
-            row_attention::attend_rows(
-                qkv.as_ptr(),
-                queries,
-                cached,
-                ctx.key_mask(),
-                (out.as_mut_ptr(), out_strides),
-                pool,
-            )
-        };
+        let mut out = vec![0f32; rows * heads * dim];
+        let (qkv_rows, out_rows) = (qkv.as_ptr(), out.as_mut_ptr());
+        let mut first_row = 0;
+        let attention: Vec<AttentionPart> = parts
+            .iter()
+            .map(|part| {
+                let (batch, new) = (part.cache.batch(), part.cache.new);
+                let queries = RowLayout {
+                    batch,
+                    heads,
+                    new,
+                    dim,
+                    strides: RowStrides {
+                        batch: new * width,
+                        head: dim,
+                        token: width,
+                    },
+                };
+                let out_strides = RowStrides {
+                    batch: new * heads * dim,
+                    head: dim,
+                    token: heads * dim,
+                };
+                let at = first_row;
+                first_row += batch * new;
+                // SAFETY: row `at` is one of `qkv`'s and `out`'s rows.
+                let (queries_at, out_at) =
+                    unsafe { (qkv_rows.add(at * width), out_rows.add(at * heads * dim)) };
+                AttentionPart {
+                    queries: queries_at,
+                    layout: queries,
+                    cached: part.cache.written(),
+                    mask: part.mask,
+                    out: (out_at, out_strides),
+                }
+            })
+            .collect();
+        // SAFETY: `qkv` holds the query rows each part describes (each row's heads first), `out`
+        // the output rows at their strides; both outlive the call, as do the caches the parts
+        // read (borrowed by the caller).
+        unsafe { row_attention::attend_rows(&attention, pool) };
         out
     }
 }
@@ -246,6 +338,7 @@ impl Attention {
 /// dim]`, after its cached rows, rounded to the cache's element type. Written by many threads at
 /// once, each its own heads.
 struct CacheRows {
+    batch: usize,
     keys: usize,
     values: usize,
     elements: Dtype,
@@ -266,6 +359,7 @@ impl CacheRows {
             "the forward checked the cache's room"
         );
         Self {
+            batch: keys.size()[0] as usize,
             keys: keys.data_ptr() as usize,
             values: values.data_ptr() as usize,
             elements: Dtype::of_kind(keys.kind()).expect("`runs_rows` checked the cache's kind"),
@@ -275,6 +369,16 @@ impl CacheRows {
             kv_heads,
             dim,
         }
+    }
+
+    /// Sequences of the cache (its batch).
+    fn batch(&self) -> usize {
+        self.batch
+    }
+
+    /// New rows: `new` of each sequence.
+    fn rows(&self) -> usize {
+        self.batch * self.new
     }
 
     /// The cached rows and the new ones after them, as row attention reads them.

@@ -10,13 +10,15 @@ use std::time::Instant;
 
 use headway_model::{
     check_request, greedy_tokens, CpuPolicy, ForwardInput, Generation, KvCache, Sampler,
-    SamplingParams, StopReason, Target, TreeInput,
+    SamplingParams, SequenceForward, StopReason, Target, TreeInput,
 };
 use tch::{Kind, Tensor};
 
 use crate::acceptance::{accept_greedy, accept_sampled, accept_typical, Acceptance, Accepted};
 use crate::drafters::{Drafter, Verified};
 use crate::error::Result;
+use crate::tree::DraftTree;
+use headway_model::tokenizer::TokenStream;
 
 /// One verification step's outcome.
 #[derive(Debug, Clone)]
@@ -127,29 +129,52 @@ impl<'t> Session<'t> {
         Ok(started.elapsed().as_secs_f64())
     }
 
-    /// One draft + verify step.
+    /// One draft + verify step: [`step_sessions`] of this session alone.
     pub fn step(&mut self, drafter: &mut dyn Drafter, sampler: &mut Sampler) -> Result<Step> {
+        let seat = Seat {
+            session: self,
+            drafter,
+            sampler,
+        };
+        let mut steps = step_sessions(&mut [seat])?;
+        Ok(steps.pop().expect("one step a session"))
+    }
+
+    /// Drafts this step's tree and the target's input for it.
+    fn draft(&mut self, drafter: &mut dyn Drafter, sampler: &mut Sampler) -> Result<Drafted> {
         let started = Instant::now();
         let tree = drafter.draft(&self.verified(), sampler)?;
         // Tree positions must stay inside the model's context (the root sits at `prefix`).
         let prefix = self.cache.len();
         let context = self.target.model.config().max_position_embeddings;
         let tree = tree.truncated(context.saturating_sub(prefix + 1));
-        let draft_seconds = started.elapsed().as_secs_f64();
         let root = *self.tokens.last().expect("a session has tokens");
         let input = tree.verification_input(root, prefix, self.target.device)?;
-        let (hidden, taps) = self.forward(&input)?;
-        let logits = self
-            .target
-            .model
-            .lm_head
-            .forward(&hidden, &self.cpu)
-            .to_kind(Kind::Float);
+        Ok(Drafted {
+            tree,
+            input,
+            prefix,
+            draft_seconds: started.elapsed().as_secs_f64(),
+        })
+    }
+
+    /// Accepts the longest path of `drafted`'s tree that the target's rows (`rows`) verify, plus
+    /// the bonus token; compacts the cache onto it.
+    fn accept(&mut self, drafted: Drafted, rows: TreeRows, sampler: &mut Sampler) -> Result<Step> {
+        let started = Instant::now();
+        let Drafted { tree, prefix, .. } = drafted;
+        let TreeRows {
+            hidden,
+            taps,
+            logits,
+            verify_seconds,
+        } = rows;
         // Greedy decoding reads the target's choice at every row as part of verifying: a pass
         // over every row's logits, which grows with the tree as the forward does (the rows curve
         // the tuner prices trees by times the same).
+        let greedy_started = Instant::now();
         let choices = sampler.params().is_greedy().then(|| greedy_tokens(&logits));
-        let verified_at = started.elapsed().as_secs_f64();
+        let greedy_seconds = greedy_started.elapsed().as_secs_f64();
         let Accepted { path, bonus } = if let Some(choices) = &choices {
             accept_greedy(&tree, choices)
         } else {
@@ -184,9 +209,9 @@ impl<'t> Session<'t> {
             emitted,
             tree_tokens: tree.len(),
             tree_depth: tree.max_depth(),
-            draft_seconds,
-            verify_seconds: verified_at - draft_seconds,
-            accept_seconds: started.elapsed().as_secs_f64() - verified_at,
+            draft_seconds: drafted.draft_seconds,
+            verify_seconds: verify_seconds + greedy_seconds,
+            accept_seconds: started.elapsed().as_secs_f64() - greedy_seconds,
         })
     }
 
@@ -201,6 +226,83 @@ impl<'t> Session<'t> {
         let taps = output.taps.iter().map(|t| t.get(0)).collect();
         Ok((output.hidden.get(0), taps))
     }
+}
+
+/// A step's tree, drafted and waiting for the target's verification.
+struct Drafted {
+    tree: DraftTree,
+    input: TreeInput,
+    prefix: usize,
+    draft_seconds: f64,
+}
+
+/// The target's rows over one session's tree (root first): final hidden states `[n, hidden]`,
+/// the drafter's taps, logits `[n, vocab]`, and the seconds the verification took.
+struct TreeRows {
+    hidden: Tensor,
+    taps: Vec<Tensor>,
+    logits: Tensor,
+    verify_seconds: f64,
+}
+
+/// One session's place in a step of several ([`step_sessions`]): its drafter and its sampler.
+pub struct Seat<'a, 't> {
+    pub session: &'a mut Session<'t>,
+    pub drafter: &'a mut dyn Drafter,
+    pub sampler: &'a mut Sampler,
+}
+
+/// One step of every session in `seats`, all of one target: each drafts its tree, one target
+/// forward verifies every tree (their rows side by side, each over its own cache:
+/// [`headway_model::Llama::forward_sequences`], then one LM-head product), each accepts its own
+/// path. A session's rows get the bits its step alone would give them, so a batch changes no
+/// one's output; a batch of one is [`Session::step`]. Each step's `verify_seconds` is the shared
+/// forward's.
+pub fn step_sessions(seats: &mut [Seat]) -> Result<Vec<Step>> {
+    let Some(target) = seats.first().map(|seat| seat.session.target) else {
+        return Ok(Vec::new());
+    };
+    let drafted = seats
+        .iter_mut()
+        .map(|seat| seat.session.draft(seat.drafter, seat.sampler))
+        .collect::<Result<Vec<_>>>()?;
+    let started = Instant::now();
+    let outputs = {
+        let _no_grad = tch::no_grad_guard();
+        let mut sequences: Vec<SequenceForward> = seats
+            .iter_mut()
+            .zip(&drafted)
+            .map(|(seat, drafted)| {
+                let session = &mut *seat.session;
+                SequenceForward {
+                    input: ForwardInput::new(&drafted.input, &session.taps, &session.cpu),
+                    cache: &mut session.cache,
+                }
+            })
+            .collect();
+        target.model.model.forward_sequences(&mut sequences)?
+    };
+    let hidden: Vec<Tensor> = outputs.iter().map(|out| out.hidden.get(0)).collect();
+    let logits = target
+        .model
+        .lm_head
+        .forward_sequences(&hidden, &seats[0].session.cpu);
+    let verify_seconds = started.elapsed().as_secs_f64();
+    let verified = outputs.into_iter().zip(hidden).zip(logits);
+    seats
+        .iter_mut()
+        .zip(drafted)
+        .zip(verified)
+        .map(|((seat, drafted), ((output, hidden), logits))| {
+            let rows = TreeRows {
+                hidden,
+                taps: output.taps.iter().map(|t| t.get(0)).collect(),
+                logits: logits.to_kind(Kind::Float),
+                verify_seconds,
+            };
+            seat.session.accept(drafted, rows, seat.sampler)
+        })
+        .collect()
 }
 
 /// A finished speculative generation.
@@ -242,7 +344,7 @@ impl SpecGeneration {
 /// Generates up to `max_new_tokens` after `prompt_ids` with `drafter`, streaming text through
 /// `on_text`, which returns `false` to stop generation (ends with [`StopReason::Cancelled`]).
 /// Output is exactly plain decoding's: tokens past a stop token or `max_new_tokens` in the last
-/// step are dropped.
+/// step are dropped. A batch of one: [`Generating`] stepped by [`step_generations`].
 pub fn generate_speculative(
     target: &Target,
     drafter: &mut dyn Drafter,
@@ -252,51 +354,156 @@ pub fn generate_speculative(
     sampler: &mut Sampler,
     on_text: &mut dyn FnMut(&str) -> bool,
 ) -> Result<SpecGeneration> {
-    let start = Instant::now();
-    drafter.reset();
-    let mut session = Session::start(
-        target,
+    let request = Request {
         prompt_ids,
         max_new_tokens,
-        drafter,
         acceptance,
-        sampler,
-    )?;
-    let prefill_seconds = start.elapsed().as_secs_f64();
-    let mut stream = target.tokenizer.stream(true);
-    let mut out = Emitter {
-        target,
-        tokens: Vec::new(),
-        text: String::new(),
-        max_new_tokens,
-        stop_reason: None,
     };
-    out.push(session.generated()[0], &mut stream, on_text)?;
-    let drafter_prefill_seconds = match out.stop_reason {
-        None => session.prefill_drafter(drafter)?,
-        Some(_) => 0.0,
-    };
-    let mut steps = Vec::new();
-    while out.stop_reason.is_none() {
-        let step = session.step(drafter, sampler)?;
+    let mut generating = Generating::start(target, drafter, request, sampler, on_text)?;
+    while !generating.is_done() {
+        let turn = Turn {
+            generating: &mut generating,
+            drafter: &mut *drafter,
+            sampler: &mut *sampler,
+            on_text: &mut *on_text,
+        };
+        step_generations(&mut [turn])?;
+    }
+    Ok(generating.finish())
+}
+
+/// What one generation asks for.
+#[derive(Clone, Copy)]
+pub struct Request<'p> {
+    pub prompt_ids: &'p [u32],
+    pub max_new_tokens: usize,
+    pub acceptance: Acceptance,
+}
+
+/// A generation under way: its session, the text streamed so far under plain decoding's stop
+/// rules, and its steps. Many are stepped together by [`step_generations`] (continuous
+/// batching: one joins after its prompt's forward, [`Generating::start`], and leaves once done).
+pub struct Generating<'t> {
+    session: Session<'t>,
+    stream: TokenStream<'t>,
+    out: Emitter<'t>,
+    steps: Vec<Step>,
+    started: Instant,
+    prefill_seconds: f64,
+    drafter_prefill_seconds: f64,
+}
+
+impl<'t> Generating<'t> {
+    /// Runs the prompt through the target, emits the first token through `on_text` and hands
+    /// the prompt to `drafter` (reset first: it drafts for this generation alone until it ends).
+    pub fn start(
+        target: &'t Target,
+        drafter: &mut dyn Drafter,
+        request: Request,
+        sampler: &mut Sampler,
+        on_text: &mut dyn FnMut(&str) -> bool,
+    ) -> Result<Self> {
+        let started = Instant::now();
+        drafter.reset();
+        let session = Session::start(
+            target,
+            request.prompt_ids,
+            request.max_new_tokens,
+            drafter,
+            request.acceptance,
+            sampler,
+        )?;
+        let mut generating = Self {
+            session,
+            stream: target.tokenizer.stream(true),
+            out: Emitter {
+                target,
+                tokens: Vec::new(),
+                text: String::new(),
+                max_new_tokens: request.max_new_tokens,
+                stop_reason: None,
+            },
+            steps: Vec::new(),
+            started,
+            prefill_seconds: started.elapsed().as_secs_f64(),
+            drafter_prefill_seconds: 0.0,
+        };
+        let first = generating.session.generated()[0];
+        generating
+            .out
+            .push(first, &mut generating.stream, on_text)?;
+        if !generating.is_done() {
+            generating.drafter_prefill_seconds = generating.session.prefill_drafter(drafter)?;
+        }
+        Ok(generating)
+    }
+
+    /// Whether it has stopped (a stop token, the token limit, or `on_text` said so).
+    pub fn is_done(&self) -> bool {
+        self.out.stop_reason.is_some()
+    }
+
+    /// Tokens emitted so far.
+    pub fn tokens(&self) -> &[u32] {
+        &self.out.tokens
+    }
+
+    /// Emits a step's tokens until a stop.
+    fn emit(&mut self, step: Step, on_text: &mut dyn FnMut(&str) -> bool) -> Result<()> {
         for &token in &step.emitted {
-            if out.stop_reason.is_none() {
-                out.push(token, &mut stream, on_text)?;
+            if self.out.stop_reason.is_none() {
+                self.out.push(token, &mut self.stream, on_text)?;
             }
         }
-        steps.push(step);
+        self.steps.push(step);
+        Ok(())
     }
-    Ok(SpecGeneration {
-        generation: Generation {
-            tokens: out.tokens,
-            text: out.text,
-            stop_reason: out.stop_reason.expect("the loop ends on a stop"),
-            prefill_seconds,
-            seconds: start.elapsed().as_secs_f64(),
-        },
-        drafter_prefill_seconds,
-        steps,
-    })
+
+    /// The finished generation (or what it emitted so far, ended as cancelled).
+    pub fn finish(self) -> SpecGeneration {
+        SpecGeneration {
+            generation: Generation {
+                tokens: self.out.tokens,
+                text: self.out.text,
+                stop_reason: self.out.stop_reason.unwrap_or(StopReason::Cancelled),
+                prefill_seconds: self.prefill_seconds,
+                seconds: self.started.elapsed().as_secs_f64(),
+            },
+            drafter_prefill_seconds: self.drafter_prefill_seconds,
+            steps: self.steps,
+        }
+    }
+}
+
+/// One generation's place in a step of several: its drafter, sampler and text sink.
+pub struct Turn<'a, 't> {
+    pub generating: &'a mut Generating<'t>,
+    pub drafter: &'a mut dyn Drafter,
+    pub sampler: &'a mut Sampler,
+    pub on_text: &'a mut dyn FnMut(&str) -> bool,
+}
+
+/// One step of every unfinished generation in `turns` ([`step_sessions`]: one target forward
+/// for all), each step's tokens emitted to its own generation.
+pub fn step_generations(turns: &mut [Turn]) -> Result<()> {
+    let mut running: Vec<&mut Turn> = turns
+        .iter_mut()
+        .filter(|t| !t.generating.is_done())
+        .collect();
+    let mut seats: Vec<Seat> = running
+        .iter_mut()
+        .map(|turn| Seat {
+            session: &mut turn.generating.session,
+            drafter: &mut *turn.drafter,
+            sampler: &mut *turn.sampler,
+        })
+        .collect();
+    let steps = step_sessions(&mut seats)?;
+    drop(seats);
+    for (turn, step) in running.into_iter().zip(steps) {
+        turn.generating.emit(step, turn.on_text)?;
+    }
+    Ok(())
 }
 
 /// Greedy speculative generation with no streaming: what the auto-tuner's warm-up and the
@@ -331,7 +538,7 @@ impl Emitter<'_> {
     fn push(
         &mut self,
         token: u32,
-        stream: &mut headway_model::tokenizer::TokenStream,
+        stream: &mut TokenStream,
         on_text: &mut dyn FnMut(&str) -> bool,
     ) -> Result<()> {
         if self.tokens.len() >= self.max_new_tokens {

@@ -8,7 +8,9 @@ use headway_engine::drafters::{
     DraftModelDrafter, Drafter, EagleDrafter, EagleTreeShape, LookupDrafter, MedusaDrafter,
     NoDrafter, Verified, WithLookup,
 };
-use headway_engine::engine::{generate_greedy, generate_speculative, Session};
+use headway_engine::engine::{
+    generate_greedy, generate_speculative, step_generations, Generating, Request, Session, Turn,
+};
 use headway_engine::tree::{DraftTree, Proposal, TreeChoices};
 use headway_heads::{
     DraftVocab, Eagle3Config, Eagle3Head, EagleConfig, EagleHead, MedusaConfig, MedusaHeads,
@@ -899,5 +901,84 @@ fn greedy_speculative_output_equals_plain_greedy_on_smollm2() {
                 case.messages[0].content
             );
         }
+    }
+}
+
+/// Continuous batching: generations of different prompts and drafters, each joining the batch a
+/// step after the one before it and leaving when done, are stepped together (their trees
+/// verified in one forward) and each emits plain greedy decoding's tokens.
+#[test]
+fn generations_stepped_together_each_equal_plain_greedy() {
+    let (_dir, target) = tiny_target(11);
+    let (eagle3, d2t3) = random_eagle3(&target);
+    let shape = EagleTreeShape {
+        depth: 3,
+        top_k: 2,
+        tree_tokens: 6,
+    };
+    let new_tokens = 30;
+    let capacity = 24 + new_tokens + 1;
+    let prompts = random_prompts(9, 17);
+    let drafter = |index: usize| -> Box<dyn Drafter + '_> {
+        let eagle3 = || EagleDrafter::new(&eagle3, Some(&d2t3), shape, capacity, decode()).unwrap();
+        match index % 4 {
+            0 => Box::new(LookupDrafter::default()),
+            1 => Box::new(NoDrafter),
+            2 => Box::new(eagle3()),
+            _ => Box::new(WithLookup::new(
+                Box::new(eagle3()),
+                LookupDrafter::default(),
+            )),
+        }
+    };
+    let mut waiting = prompts.iter().enumerate();
+    let mut running: Vec<(usize, Generating, Box<dyn Drafter>, Sampler)> = Vec::new();
+    let mut finished = BTreeMap::new();
+    let mut widest = 0;
+    loop {
+        if let Some((index, prompt)) = waiting.next() {
+            let (mut drafter, mut sampler) = (drafter(index), greedy());
+            let request = Request {
+                prompt_ids: prompt,
+                max_new_tokens: new_tokens,
+                acceptance: Acceptance::Lossless,
+            };
+            let generating = Generating::start(
+                &target,
+                drafter.as_mut(),
+                request,
+                &mut sampler,
+                &mut |_| true,
+            )
+            .unwrap();
+            running.push((index, generating, drafter, sampler));
+        }
+        if running.is_empty() {
+            break;
+        }
+        widest = widest.max(running.len());
+        let mut sinks: Vec<_> = running.iter().map(|_| |_: &str| true).collect();
+        let mut turns: Vec<Turn> = running
+            .iter_mut()
+            .zip(&mut sinks)
+            .map(|((_, generating, drafter, sampler), on_text)| Turn {
+                generating,
+                drafter: drafter.as_mut(),
+                sampler,
+                on_text,
+            })
+            .collect();
+        step_generations(&mut turns).unwrap();
+        drop(turns);
+        let (done, rest): (Vec<_>, Vec<_>) = running.into_iter().partition(|r| r.1.is_done());
+        running = rest;
+        for (index, generating, ..) in done {
+            finished.insert(index, generating.finish().generation.tokens);
+        }
+    }
+    assert!(widest >= 4, "at most {widest} generations ran together");
+    for (index, prompt) in prompts.iter().enumerate() {
+        let plain = generate(&target, prompt, new_tokens, &mut greedy(), &mut |_| {}).unwrap();
+        assert_eq!(finished[&index], plain.tokens, "prompt {index}: {prompt:?}");
     }
 }
