@@ -27,8 +27,9 @@ serve() { # port, options...
     echo $!
 }
 under_test=$(serve "$PORT" "$SERVER")
-# The reference answers only after the load: one thread leaves the cores to the server under test.
-reference=$(serve $((PORT + 1)) --method ar --threads 1)
+# The reference answers only after the load: one thread leaves the cores to the server under test;
+# it decodes one request at a time, as plain single-stream decoding.
+reference=$(serve $((PORT + 1)) --method ar --threads 1 --max-batch 1)
 trap 'kill $under_test $reference 2>/dev/null || true' EXIT
 for port in "$PORT" $((PORT + 1)); do
     until curl -sf "http://127.0.0.1:$port/health" >/dev/null; do

@@ -274,6 +274,22 @@ fn a_client_that_disconnects_mid_stream_cancels_its_generation() {
     assert_eq!(post(&server, "/v1/chat/completions", &chat("hi", 4)).0, 200);
 }
 
+/// A counter or gauge of the server's `/metrics`.
+fn metric(server: &common::Server, name: &str) -> f64 {
+    let metrics = ureq::get(&format!("{}/metrics", server.url))
+        .call()
+        .unwrap()
+        .into_string()
+        .unwrap();
+    let line = metrics.lines().find(|l| l.starts_with(&format!("{name} ")));
+    let value = line.and_then(|l| l.split(' ').nth(1));
+    value
+        .and_then(|v| v.parse().ok())
+        .unwrap_or_else(|| panic!("no {name} in\n{metrics}"))
+}
+
+/// Continuous batching: sixteen clients at once are decoded together (far fewer engine steps
+/// than tokens), and each gets the answer its request gets alone.
 #[test]
 fn sixteen_concurrent_clients_get_what_each_would_get_alone() {
     let server = start(&["--max-queue", "64"]);
@@ -287,6 +303,8 @@ fn sixteen_concurrent_clients_get_what_each_would_get_alone() {
                 .to_string()
         })
         .collect();
+    let steps_before = metric(&server, "headway_engine_steps_total");
+    let tokens_before = metric(&server, "headway_generated_tokens_total");
     std::thread::scope(|scope| {
         for c in 0..16 {
             let server = &server;
@@ -305,11 +323,17 @@ fn sixteen_concurrent_clients_get_what_each_would_get_alone() {
             });
         }
     });
+    let steps = metric(&server, "headway_engine_steps_total") - steps_before;
+    let tokens = metric(&server, "headway_generated_tokens_total") - tokens_before;
+    assert!(
+        3.0 * steps < tokens,
+        "{steps} engine steps for {tokens} tokens: the clients were not batched"
+    );
 }
 
 #[test]
 fn a_full_queue_answers_429_and_the_rest_complete() {
-    let server = start(&["--max-queue", "1"]);
+    let server = start(&["--max-batch", "2", "--max-queue", "1"]);
     let statuses: Vec<u16> = std::thread::scope(|scope| {
         let handles: Vec<_> = (0..8)
             .map(|i| {

@@ -69,6 +69,7 @@ fn every_subcommand_explains_its_flags() {
                 "--host",
                 "--port",
                 "--api-key",
+                "--max-batch",
                 "--max-queue",
                 "--max-context",
             ][..],

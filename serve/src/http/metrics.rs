@@ -56,6 +56,8 @@ pub struct Metrics {
     generated_tokens: AtomicU64,
     cancelled: AtomicU64,
     queue_depth: AtomicUsize,
+    batch_size: AtomicUsize,
+    steps: AtomicU64,
     tau: Mutex<Histogram>,
     time_to_first_token: Mutex<Histogram>,
     latency: Mutex<Histogram>,
@@ -69,6 +71,8 @@ impl Default for Metrics {
             generated_tokens: AtomicU64::new(0),
             cancelled: AtomicU64::new(0),
             queue_depth: AtomicUsize::new(0),
+            batch_size: AtomicUsize::new(0),
+            steps: AtomicU64::new(0),
             tau: Mutex::new(Histogram::new(TAU_BOUNDS)),
             time_to_first_token: Mutex::new(Histogram::new(SECONDS_BOUNDS)),
             latency: Mutex::new(Histogram::new(SECONDS_BOUNDS)),
@@ -92,6 +96,12 @@ impl Metrics {
 
     pub fn queue_depth(&self) -> usize {
         self.queue_depth.load(Ordering::Relaxed)
+    }
+
+    /// An engine step over `requests` running requests (one target forward for all).
+    pub fn batch(&self, requests: usize) {
+        self.batch_size.store(requests, Ordering::Relaxed);
+        self.steps.fetch_add(1, Ordering::Relaxed);
     }
 
     pub fn cancelled(&self) {
@@ -140,6 +150,11 @@ impl Metrics {
                 "Generations stopped because the client went away.",
                 &self.cancelled,
             ),
+            (
+                "headway_engine_steps_total",
+                "Engine steps: target forwards verifying every running request's tree.",
+                &self.steps,
+            ),
         ];
         for (name, help, value) in counters {
             out.push_str(&format!(
@@ -150,6 +165,10 @@ impl Metrics {
         out.push_str(&format!(
             "# HELP headway_queue_depth Requests waiting for the engine.\n# TYPE headway_queue_depth gauge\nheadway_queue_depth {}\n",
             self.queue_depth()
+        ));
+        out.push_str(&format!(
+            "# HELP headway_batch_size Requests in the engine's last step.\n# TYPE headway_batch_size gauge\nheadway_batch_size {}\n",
+            self.batch_size.load(Ordering::Relaxed)
         ));
         self.tau.lock().expect("metrics lock").render(
             "headway_tau",

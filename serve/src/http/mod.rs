@@ -33,7 +33,7 @@ use api::{
     Speculative, Usage,
 };
 use metrics::Metrics;
-use worker::{submit, Engine, Event, Finished, Job, Refused};
+use worker::{submit, Engine, Event, Finished, Job, QueueLimits, Refused};
 
 /// Server options (the CLI's `http` arguments).
 #[derive(Debug, Clone, clap::Args)]
@@ -51,7 +51,11 @@ pub struct HttpArgs {
     /// HEADWAY_API_KEY).
     #[arg(long, env = "HEADWAY_API_KEY", hide_env_values = true)]
     pub api_key: Option<String>,
-    /// Requests waiting for the engine beyond the running one; more get 429.
+    /// Requests decoded at once (continuous batching: each step verifies every running
+    /// request's tree in one target forward); 1 serves them one after another.
+    #[arg(long, default_value_t = 16, value_parser = clap::value_parser!(u16).range(1..=256))]
+    pub max_batch: u16,
+    /// Requests waiting for the engine beyond the running batch; more get 429.
     #[arg(long, default_value_t = 32)]
     pub max_queue: usize,
     /// Longest prompt + completion in tokens (default: the model's context length).
@@ -93,7 +97,10 @@ pub fn run(args: HttpArgs) -> anyhow::Result<()> {
         args.target.clone(),
         args.draft.clone(),
         max_context,
-        args.max_queue,
+        QueueLimits {
+            max_batch: usize::from(args.max_batch),
+            max_queue: args.max_queue,
+        },
         metrics.clone(),
     )?;
     let state = Arc::new(AppState {
@@ -122,6 +129,7 @@ pub fn run(args: HttpArgs) -> anyhow::Result<()> {
             model = %state.model_name,
             method = %state.method,
             max_context,
+            max_batch = args.max_batch,
             max_queue = args.max_queue,
             api_key = state.api_key.is_some(),
             "headway-serve http listening"

@@ -1,17 +1,20 @@
-//! The engine thread: owns the target and the drafter, and runs queued requests one at a time.
+//! The engine thread: owns the target and the drafting plan, and decodes the running requests
+//! together (continuous batching).
 //!
-//! Speculative decoding is a low-batch technique: it trades spare compute per forward for fewer
-//! sequential forwards, which pays off when one sequence (or a few) has the device to itself. The
-//! engine therefore serves requests one after another from a bounded queue; a full queue answers
-//! 429 instead of growing latency without bound.
+//! Between steps, waiting requests join the running batch (up to `--max-batch`: each runs its
+//! prompt's forward and emits its first token) and finished or abandoned ones leave; each step
+//! drafts every running request's tree with its own drafter (over the plan's shared head
+//! weights) and verifies them all in one target forward ([`step_generations`]), which gives each
+//! request the tokens it would get alone. Requests beyond the batch wait in a bounded queue; a
+//! full queue answers 429 instead of growing latency without bound.
 
-use std::sync::mpsc::{Receiver, SyncSender, TrySendError};
+use std::sync::mpsc::{Receiver, SyncSender, TryRecvError, TrySendError};
 use std::sync::Arc;
 use std::time::Instant;
 
 use headway_engine::acceptance::Acceptance;
 use headway_engine::drafters::Drafter;
-use headway_engine::engine::generate_speculative;
+use headway_engine::engine::{step_generations, Generating, Request, Turn};
 use headway_engine::DraftPlan;
 use headway_model::{Sampler, SamplingParams, StopReason, Target, TargetArgs};
 use tokio::sync::mpsc::UnboundedSender;
@@ -65,15 +68,16 @@ pub enum Refused {
 }
 
 impl Engine {
-    /// Loads the target and drafter on a new thread and waits until they are ready.
+    /// Loads the target and drafting plan on a new thread and waits until they are ready; the
+    /// thread then decodes up to `max_batch` requests at once.
     pub fn start(
         target_args: TargetArgs,
         draft_args: DraftArgs,
         max_context: usize,
-        max_queue: usize,
+        queue: QueueLimits,
         metrics: Arc<Metrics>,
     ) -> anyhow::Result<Self> {
-        let (queue, jobs) = std::sync::mpsc::sync_channel::<Job>(max_queue);
+        let (sender, jobs) = std::sync::mpsc::sync_channel::<Job>(queue.max_queue);
         let (ready_tx, ready_rx) = std::sync::mpsc::channel::<Result<(String, String), String>>();
         let acceptance = draft_args.acceptance();
         let thread = std::thread::Builder::new()
@@ -95,8 +99,10 @@ impl Engine {
                         return;
                     }
                 };
-                let mut drafter = match plan.drafter(&target, max_context + 1) {
-                    Ok(d) => d,
+                let capacity = max_context + 1;
+                // One drafter now, so that a plan that cannot draft fails the start.
+                let first_drafter = match plan.drafter(&target, capacity) {
+                    Ok(drafter) => drafter,
                     Err(e) => {
                         let _ = ready_tx.send(Err(e.to_string()));
                         return;
@@ -107,19 +113,34 @@ impl Engine {
                     .file_name()
                     .map_or("target".into(), |n| n.to_string_lossy().into_owned());
                 let _ = ready_tx.send(Ok((name, plan.label())));
-                serve_jobs(&target, drafter.as_mut(), acceptance, &jobs, &metrics);
+                let batch = Batch {
+                    target: &target,
+                    plan: &plan,
+                    capacity,
+                    acceptance,
+                    max_batch: queue.max_batch,
+                    metrics: &metrics,
+                };
+                batch.serve(&jobs, first_drafter);
             })?;
         let (model_name, method) = ready_rx
             .recv()
             .map_err(|_| anyhow::anyhow!("the engine thread stopped while loading"))?
             .map_err(|e| anyhow::anyhow!(e))?;
         Ok(Self {
-            queue,
+            queue: sender,
             model_name,
             method,
             thread,
         })
     }
+}
+
+/// How many requests the engine decodes at once, and how many more may wait.
+#[derive(Debug, Clone, Copy)]
+pub struct QueueLimits {
+    pub max_batch: usize,
+    pub max_queue: usize,
 }
 
 /// Queues `job` without waiting.
@@ -137,87 +158,221 @@ pub fn submit(queue: &SyncSender<Job>, job: Job, metrics: &Metrics) -> Result<()
 /// A prompt for `--tree-tokens auto`'s warm-up.
 const WARM_UP_PROMPT: &str = "Explain in a few sentences how a hash map works and when to use one.";
 
-fn serve_jobs(
-    target: &Target,
-    drafter: &mut dyn Drafter,
+/// The engine's decoding loop over the running requests.
+struct Batch<'t> {
+    target: &'t Target,
+    plan: &'t DraftPlan,
+    /// Tokens a drafter's sequences may reach (the server's context).
+    capacity: usize,
     acceptance: Acceptance,
-    jobs: &Receiver<Job>,
-    metrics: &Metrics,
-) {
-    // Ends when every sender is gone: the server has shut down and the queue is drained.
-    while let Ok(job) = jobs.recv() {
-        metrics.dequeued();
-        if job.events.is_closed() {
-            metrics.cancelled();
-            continue;
+    max_batch: usize,
+    metrics: &'t Metrics,
+}
+
+/// A request in the running batch.
+struct Running<'t> {
+    job: Job,
+    generating: Generating<'t>,
+    drafter: Box<dyn Drafter + 't>,
+    sampler: Sampler,
+    sink: TextSink,
+}
+
+impl<'t> Batch<'t> {
+    /// Runs until every sender is gone (the server has shut down) and the last request is done.
+    fn serve(&self, jobs: &Receiver<Job>, drafter: Box<dyn Drafter + 't>) {
+        let mut running: Vec<Running> = Vec::new();
+        // Drafters of finished requests, kept for the next (a model drafter's cache is sized for
+        // the whole context).
+        let mut spare = vec![drafter];
+        let mut open = true;
+        loop {
+            // Idle: wait for a request. Running: take what is waiting, up to the batch's room.
+            while open && running.len() < self.max_batch {
+                let next = if running.is_empty() {
+                    jobs.recv().map_err(|_| TryRecvError::Disconnected)
+                } else {
+                    jobs.try_recv()
+                };
+                match next {
+                    Ok(job) => {
+                        self.metrics.dequeued();
+                        running.extend(self.admit(job, &mut spare));
+                    }
+                    Err(TryRecvError::Empty) => break,
+                    Err(TryRecvError::Disconnected) => open = false,
+                }
+            }
+            if running.is_empty() {
+                if open {
+                    continue;
+                }
+                return;
+            }
+            self.metrics.batch(running.len());
+            if let Err(e) = self.step(&mut running) {
+                for request in running.drain(..) {
+                    let _ = request.job.events.send(Event::Failed(ApiError::from(&e)));
+                    spare.push(request.drafter);
+                }
+            }
+            let (done, rest): (Vec<_>, Vec<_>) = running
+                .into_iter()
+                .partition(|r| r.generating.is_done() || r.job.events.is_closed());
+            running = rest;
+            for request in done {
+                spare.push(self.finish(request));
+            }
         }
-        run_job(target, drafter, acceptance, job, metrics);
+    }
+
+    /// Starts `job`: its prompt's forward and first token. `None` when it is already over (the
+    /// client left, it failed, or one token ended it).
+    fn admit(&self, job: Job, spare: &mut Vec<Box<dyn Drafter + 't>>) -> Option<Running<'t>> {
+        if job.events.is_closed() {
+            self.metrics.cancelled();
+            return None;
+        }
+        let drafter = match spare.pop() {
+            Some(drafter) => drafter,
+            None => match self.plan.drafter(self.target, self.capacity) {
+                Ok(drafter) => drafter,
+                Err(e) => {
+                    let _ = job.events.send(Event::Failed(ApiError::from(&e)));
+                    return None;
+                }
+            },
+        };
+        let (mut drafter, mut sampler, mut sink) =
+            (drafter, Sampler::new(job.sampling), TextSink::new(&job));
+        let request = Request {
+            prompt_ids: &job.prompt_ids,
+            max_new_tokens: job.max_tokens,
+            acceptance: self.acceptance,
+        };
+        let started = Generating::start(
+            self.target,
+            drafter.as_mut(),
+            request,
+            &mut sampler,
+            &mut |piece| sink.push(piece, self.metrics),
+        );
+        match started {
+            Ok(generating) => Some(Running {
+                job,
+                generating,
+                drafter,
+                sampler,
+                sink,
+            }),
+            Err(e) => {
+                let _ = job.events.send(Event::Failed(ApiError::from(&e)));
+                spare.push(drafter);
+                None
+            }
+        }
+    }
+
+    /// One step of every running request.
+    fn step(&self, running: &mut [Running<'t>]) -> headway_engine::Result<()> {
+        let metrics = self.metrics;
+        let (mut seats, mut on_texts) = (Vec::new(), Vec::new());
+        for request in running.iter_mut() {
+            let Running {
+                generating,
+                drafter,
+                sampler,
+                sink,
+                ..
+            } = request;
+            seats.push((generating, drafter, sampler));
+            on_texts.push(move |piece: &str| sink.push(piece, metrics));
+        }
+        let mut turns: Vec<Turn> = seats
+            .into_iter()
+            .zip(&mut on_texts)
+            .map(|((generating, drafter, sampler), on_text)| Turn {
+                generating,
+                drafter: drafter.as_mut(),
+                sampler,
+                on_text,
+            })
+            .collect();
+        step_generations(&mut turns)
+    }
+
+    /// Reports a request that left the batch; returns its drafter.
+    fn finish(&self, request: Running<'t>) -> Box<dyn Drafter + 't> {
+        let Running {
+            job,
+            generating,
+            drafter,
+            mut sink,
+            ..
+        } = request;
+        let out = generating.finish();
+        let generation = &out.generation;
+        let abandoned = generation.stop_reason == StopReason::Cancelled && !sink.stops.stopped();
+        if abandoned || job.events.is_closed() {
+            self.metrics.cancelled();
+            return drafter;
+        }
+        let rest = sink.stops.finish();
+        if !rest.is_empty() {
+            let _ = job.events.send(Event::Text(rest));
+        }
+        let finish_reason = match generation.stop_reason {
+            StopReason::Length => "length",
+            StopReason::Eos | StopReason::Cancelled => "stop",
+        };
+        self.metrics.finished(
+            job.prompt_ids.len(),
+            generation.tokens.len(),
+            out.tau(),
+            job.arrived.elapsed().as_secs_f64(),
+        );
+        let _ = job.events.send(Event::Done(Finished {
+            finish_reason,
+            prompt_tokens: job.prompt_ids.len(),
+            completion_tokens: generation.tokens.len(),
+            target_forwards: out.steps.len() + 1,
+            accepted_tokens: out.accepted_tokens(),
+        }));
+        drafter
     }
 }
 
-fn run_job(
-    target: &Target,
-    drafter: &mut dyn Drafter,
-    acceptance: Acceptance,
-    job: Job,
-    metrics: &Metrics,
-) {
-    let mut stops = StopMatcher::new(job.stop.clone());
-    let mut first_text = true;
-    let mut on_text = |piece: &str| {
-        let text = stops.push(piece);
+/// Where a request's text goes: through its stop strings to its client; the first text is its
+/// time to first token.
+struct TextSink {
+    stops: StopMatcher,
+    events: UnboundedSender<Event>,
+    arrived: Instant,
+    first_text: bool,
+}
+
+impl TextSink {
+    fn new(job: &Job) -> Self {
+        Self {
+            stops: StopMatcher::new(job.stop.clone()),
+            events: job.events.clone(),
+            arrived: job.arrived,
+            first_text: true,
+        }
+    }
+
+    /// Passes `piece` on; `false` once a stop string matched or the client went away.
+    fn push(&mut self, piece: &str, metrics: &Metrics) -> bool {
+        let text = self.stops.push(piece);
         if !text.is_empty() {
-            if first_text {
-                metrics.first_token(job.arrived.elapsed().as_secs_f64());
-                first_text = false;
+            if self.first_text {
+                metrics.first_token(self.arrived.elapsed().as_secs_f64());
+                self.first_text = false;
             }
-            if job.events.send(Event::Text(text)).is_err() {
+            if self.events.send(Event::Text(text)).is_err() {
                 return false;
             }
         }
-        !stops.stopped() && !job.events.is_closed()
-    };
-    let mut sampler = Sampler::new(job.sampling);
-    let result = generate_speculative(
-        target,
-        drafter,
-        &job.prompt_ids,
-        job.max_tokens,
-        acceptance,
-        &mut sampler,
-        &mut on_text,
-    );
-    let out = match result {
-        Ok(out) => out,
-        Err(e) => {
-            let _ = job.events.send(Event::Failed(ApiError::from(&e)));
-            return;
-        }
-    };
-    let generation = &out.generation;
-    if generation.stop_reason == StopReason::Cancelled && !stops.stopped() {
-        metrics.cancelled();
-        return;
+        !self.stops.stopped() && !self.events.is_closed()
     }
-    let rest = stops.finish();
-    if !rest.is_empty() {
-        let _ = job.events.send(Event::Text(rest));
-    }
-    let finish_reason = match generation.stop_reason {
-        StopReason::Length => "length",
-        StopReason::Eos | StopReason::Cancelled => "stop",
-    };
-    metrics.finished(
-        job.prompt_ids.len(),
-        generation.tokens.len(),
-        out.tau(),
-        job.arrived.elapsed().as_secs_f64(),
-    );
-    let _ = job.events.send(Event::Done(Finished {
-        finish_reason,
-        prompt_tokens: job.prompt_ids.len(),
-        completion_tokens: generation.tokens.len(),
-        target_forwards: out.steps.len() + 1,
-        accepted_tokens: out.accepted_tokens(),
-    }));
 }
