@@ -25,7 +25,7 @@ export HEADWAY_HOME
 export CARGO_TARGET_DIR ?= $(HEADWAY_HOME)/target
 BIN := $(CARGO_TARGET_DIR)/release
 
-.PHONY: demo test build venv model data openai-client ref-env interop-env fixtures bench bench-spec bench-llamacpp soak bench-ranks bench-prepare bench-train bench-eagle3 interop-vllm exactness clean-cache
+.PHONY: demo test build venv model data openai-client ref-env interop-env fixtures bench bench-spec bench-llamacpp bench-serving soak bench-ranks bench-prepare bench-train bench-eagle3 interop-vllm exactness clean-cache
 
 demo: model data build
 	BIN=$(BIN) QUESTIONS=$(QUESTIONS) scripts/demo.sh
@@ -125,6 +125,15 @@ LLAMACPP_METHOD ?= --method lookup
 # most used preset: Q4_K, Q6_K and, where rows are not whole super-blocks, Q5_0 and Q8_0).
 LLAMACPP_ARGS ?=
 VLLM_ENV := $(HEADWAY_HOME)/vllm-env
+# Many users at once (issue 49): Headway's server (continuous batching; SERVING_METHODS) and
+# llama.cpp's `llama-server --parallel N` on the Q4_1 GGUF, `headway-serve load` at each
+# concurrency, greedy answers checked against a one-request-at-a-time reference.
+SERVING_METHODS ?= ar,lookup
+SERVING_CONCURRENCY ?= 1,4,16,64
+bench-serving: model build
+	$(PYTHON) scripts/bench_serving.py --headway-bin $(BIN) --methods $(SERVING_METHODS) \
+		--concurrency $(SERVING_CONCURRENCY) --questions $(QUESTIONS)
+
 # The server under 64 concurrent clients against a plain-decoding reference (docs/reliability.md).
 soak: model build
 	BIN=$(BIN) PYTHON=$(PYTHON) QUESTIONS=$(QUESTIONS) scripts/soak.sh

@@ -51,7 +51,7 @@ from smollm2_gguf_path import add_source_arguments, smollm2_gguf
 SDIST = "llama_cpp_python-0.3.36.tar.gz"
 SDIST_SHA256 = "832db0699007f1be95a7e41ef12e88926b02ba836461e36a36372db2760c1a2e"
 SIMPLE_INDEX = "https://pypi.org/simple/llama-cpp-python/"
-TARGETS = ("llama-bench", "llama-completion", "llama-quantize")
+TARGETS = ("llama-bench", "llama-completion", "llama-quantize", "llama-server")
 QUESTION_STRIDE = 60
 NUM_PROMPTS = 8
 
@@ -74,7 +74,7 @@ def build_llamacpp(home: Path, jobs: int) -> Path:
     if not cmake.exists():
         subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", "cmake"], check=True)
     flags = ["-DCMAKE_BUILD_TYPE=Release", "-DGGML_NATIVE=ON", "-DLLAMA_CURL=OFF",
-             "-DLLAMA_BUILD_SERVER=OFF", "-DLLAMA_BUILD_TESTS=OFF"]
+             "-DLLAMA_BUILD_SERVER=ON", "-DLLAMA_BUILD_TESTS=OFF"]
     subprocess.run([cmake, "-S", source, "-B", source / "build", *flags], check=True)
     subprocess.run([cmake, "--build", source / "build", "-j", str(jobs), "--target", *TARGETS],
                    check=True)

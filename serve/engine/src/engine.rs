@@ -10,7 +10,7 @@ use std::time::Instant;
 
 use headway_model::{
     check_request, greedy_tokens, CpuPolicy, ForwardInput, Generation, KvCache, Sampler,
-    SamplingParams, SequenceForward, StopReason, Target, TreeInput,
+    SamplingParams, SequenceForward, StopReason, Target, TreeInput, ROW_KERNEL_MAX_ROWS,
 };
 use tch::{Kind, Tensor};
 
@@ -140,7 +140,7 @@ impl<'t> Session<'t> {
         Ok(steps.pop().expect("one step a session"))
     }
 
-    /// Drafts this step's tree and the target's input for it.
+    /// Drafts this step's tree.
     fn draft(&mut self, drafter: &mut dyn Drafter, sampler: &mut Sampler) -> Result<Drafted> {
         let started = Instant::now();
         let tree = drafter.draft(&self.verified(), sampler)?;
@@ -148,14 +148,19 @@ impl<'t> Session<'t> {
         let prefix = self.cache.len();
         let context = self.target.model.config().max_position_embeddings;
         let tree = tree.truncated(context.saturating_sub(prefix + 1));
-        let root = *self.tokens.last().expect("a session has tokens");
-        let input = tree.verification_input(root, prefix, self.target.device)?;
         Ok(Drafted {
             tree,
-            input,
             prefix,
             draft_seconds: started.elapsed().as_secs_f64(),
         })
+    }
+
+    /// The target's input for `tree`: the root (the last token), then the tree's nodes.
+    fn verification_input(&self, drafted: &Drafted) -> Result<TreeInput> {
+        let root = *self.tokens.last().expect("a session has tokens");
+        drafted
+            .tree
+            .verification_input(root, drafted.prefix, self.target.device)
     }
 
     /// Accepts the longest path of `drafted`'s tree that the target's rows (`rows`) verify, plus
@@ -231,7 +236,6 @@ impl<'t> Session<'t> {
 /// A step's tree, drafted and waiting for the target's verification.
 struct Drafted {
     tree: DraftTree,
-    input: TreeInput,
     prefix: usize,
     draft_seconds: f64,
 }
@@ -243,6 +247,30 @@ struct TreeRows {
     taps: Vec<Tensor>,
     logits: Tensor,
     verify_seconds: f64,
+}
+
+/// Trims the trees of several sequences so that their rows (each tree and its root) fit
+/// `budget`, the rows one pass of the exact few-row kernels takes: past it a step would stream
+/// every weight again. Each tree keeps its first nodes, up to a cap shared by all (the largest
+/// that fits; what is left over goes to the first sequences); where even the roots fill the
+/// budget, every sequence decodes plainly. One sequence keeps its tree (its plan bounds it).
+fn share_rows(drafted: &mut [Drafted], budget: usize) {
+    let rows = |cap: usize| -> usize { drafted.iter().map(|d| d.tree.len().min(cap)).sum() };
+    let room = budget.saturating_sub(drafted.len());
+    let longest = drafted.iter().map(|d| d.tree.len()).max().unwrap_or(0);
+    if drafted.len() < 2 || rows(longest) <= room {
+        return;
+    }
+    let cap = (0..longest)
+        .rev()
+        .find(|&cap| rows(cap) <= room)
+        .unwrap_or(0);
+    let mut spare = room - rows(cap);
+    for d in drafted.iter_mut() {
+        let extra = usize::from(spare > 0 && d.tree.len() > cap);
+        spare -= extra;
+        d.tree = d.tree.first(cap + extra);
+    }
 }
 
 /// One session's place in a step of several ([`step_sessions`]): its drafter and its sampler.
@@ -262,20 +290,26 @@ pub fn step_sessions(seats: &mut [Seat]) -> Result<Vec<Step>> {
     let Some(target) = seats.first().map(|seat| seat.session.target) else {
         return Ok(Vec::new());
     };
-    let drafted = seats
+    let mut drafted = seats
         .iter_mut()
         .map(|seat| seat.session.draft(seat.drafter, seat.sampler))
+        .collect::<Result<Vec<_>>>()?;
+    share_rows(&mut drafted, ROW_KERNEL_MAX_ROWS);
+    let inputs = seats
+        .iter()
+        .zip(&drafted)
+        .map(|(seat, drafted)| seat.session.verification_input(drafted))
         .collect::<Result<Vec<_>>>()?;
     let started = Instant::now();
     let outputs = {
         let _no_grad = tch::no_grad_guard();
         let mut sequences: Vec<SequenceForward> = seats
             .iter_mut()
-            .zip(&drafted)
-            .map(|(seat, drafted)| {
+            .zip(&inputs)
+            .map(|(seat, input)| {
                 let session = &mut *seat.session;
                 SequenceForward {
-                    input: ForwardInput::new(&drafted.input, &session.taps, &session.cpu),
+                    input: ForwardInput::new(input, &session.taps, &session.cpu),
                     cache: &mut session.cache,
                 }
             })
@@ -590,6 +624,43 @@ mod tests {
             drafter_prefill_seconds: 0.0,
             steps: steps.iter().map(|e| step(e)).collect(),
         }
+    }
+
+    fn drafted(lengths: &[usize]) -> Vec<Drafted> {
+        lengths
+            .iter()
+            .map(|&n| Drafted {
+                tree: DraftTree::chain(
+                    &vec![7; n],
+                    std::iter::repeat(crate::tree::Proposal::Deterministic),
+                ),
+                prefix: 0,
+                draft_seconds: 0.0,
+            })
+            .collect()
+    }
+
+    fn lengths(drafted: &[Drafted]) -> Vec<usize> {
+        drafted.iter().map(|d| d.tree.len()).collect()
+    }
+
+    #[test]
+    fn sequences_share_the_row_budget_by_a_common_cap() {
+        // 4 roots leave 16 rows: a cap of 5 takes 15, the spare row goes to the first longer tree.
+        let mut trees = drafted(&[10, 0, 30, 5]);
+        share_rows(&mut trees, 20);
+        assert_eq!(lengths(&trees), [6, 0, 5, 5]);
+        // Trees that fit keep every node; one sequence keeps its tree whatever the budget.
+        let mut trees = drafted(&[3, 4]);
+        share_rows(&mut trees, 20);
+        assert_eq!(lengths(&trees), [3, 4]);
+        let mut trees = drafted(&[40]);
+        share_rows(&mut trees, 20);
+        assert_eq!(lengths(&trees), [40]);
+        // Roots alone fill the budget: plain decoding for all.
+        let mut trees = drafted(&[2; 25]);
+        share_rows(&mut trees, 20);
+        assert!(lengths(&trees).iter().all(|&n| n == 0));
     }
 
     #[test]

@@ -111,6 +111,14 @@ impl DraftTree {
             .map(|(i, _)| i)
     }
 
+    /// The first `count` nodes (parents come before their children, so they are a tree): what a
+    /// shared row budget leaves a sequence ([`crate::engine::step_sessions`]).
+    pub fn first(&self, count: usize) -> Self {
+        Self {
+            nodes: self.nodes[..count.min(self.nodes.len())].to_vec(),
+        }
+    }
+
     /// The nodes at depth `max_depth` or less (what fits before the model's context ends).
     pub fn truncated(&self, max_depth: usize) -> Self {
         let depths = self.depths();

@@ -64,6 +64,10 @@ pub struct LoadArgs {
     /// it is retried after a growing pause.
     #[arg(long, default_value_t = 1800.0)]
     pub give_up_after: f64,
+    /// Also write the run's figures here as JSON (requests, concurrency, tokens, seconds,
+    /// tokens_per_s, latency and time-to-first-token percentiles, mean τ).
+    #[arg(long)]
+    pub json: Option<PathBuf>,
 }
 
 impl LoadArgs {
@@ -158,7 +162,12 @@ pub fn run(args: LoadArgs) -> anyhow::Result<()> {
     for e in errors.iter().take(5) {
         eprintln!("error: {e}");
     }
-    report(&args, &samples, errors.len(), wall);
+    let figures = report(&args, &samples, errors.len(), wall);
+    if let Some(path) = &args.json {
+        let text = serde_json::to_string_pretty(&figures)?;
+        headway_model::files::write_bytes_atomically(path, text.as_bytes())
+            .with_context(|| format!("writing {}", path.display()))?;
+    }
     let rss_growth = memory.report()?;
     let mismatches = check_greedy(&args, &prompts, &samples)?;
     anyhow::ensure!(errors.is_empty(), "{} requests failed", errors.len());
@@ -218,7 +227,26 @@ fn drive(args: &LoadArgs, prompts: &[&str], memory: &MemoryWatch) -> anyhow::Res
     ))
 }
 
-fn report(args: &LoadArgs, samples: &[Sample], errors: usize, wall: f64) {
+/// What a load run measured (`--json`).
+#[derive(serde::Serialize)]
+struct LoadFigures {
+    url: String,
+    requests: usize,
+    concurrency: usize,
+    max_tokens: usize,
+    ok: usize,
+    errors: usize,
+    tokens: usize,
+    seconds: f64,
+    tokens_per_s: f64,
+    latency_p50: f64,
+    latency_p99: f64,
+    first_token_p50: f64,
+    first_token_p99: f64,
+    tau: f64,
+}
+
+fn report(args: &LoadArgs, samples: &[Sample], errors: usize, wall: f64) -> LoadFigures {
     let mut kinds = BTreeMap::<&str, usize>::new();
     for s in samples {
         *kinds.entry(s.spec.kind()).or_default() += 1;
@@ -249,6 +277,22 @@ fn report(args: &LoadArgs, samples: &[Sample], errors: usize, wall: f64) {
         "latency p50 {:.2} s, p99 {:.2} s (requests run to the end); time to first token p50 {:.2} s, p99 {:.2} s (streamed); mean τ {tau:.2}",
         latency.0, latency.1, first.0, first.1
     );
+    LoadFigures {
+        url: args.url.clone(),
+        requests: args.requests,
+        concurrency: args.concurrency,
+        max_tokens: args.max_tokens,
+        ok: samples.len(),
+        errors,
+        tokens,
+        seconds: wall,
+        tokens_per_s: tokens as f64 / wall,
+        latency_p50: latency.0,
+        latency_p99: latency.1,
+        first_token_p50: first.0,
+        first_token_p99: first.1,
+        tau,
+    }
 }
 
 /// (p50, p99) of `values`.
