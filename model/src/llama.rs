@@ -857,18 +857,15 @@ impl Llama {
         let wanted_taps = sequences[0].input.taps;
         let pool = cpu.pool().expect("fused_groups checked the policy");
         cpu.enter();
-        let mut masks = Vec::with_capacity(sequences.len());
+        let (mut masks, mut news) = (Vec::new(), Vec::new());
         for sequence in sequences.iter() {
             let (past, input) = (sequence.cache.len(), &sequence.input);
             self.check_input(input, past)?;
             let new = input.input_ids.size()[1] as usize;
             sequence.cache.check_room(new, self.layers.len())?;
             masks.push(attention_mask(past, new, input.mask, Device::Cpu));
+            news.push(new);
         }
-        let news: Vec<usize> = sequences
-            .iter()
-            .map(|s| s.input.input_ids.size()[1] as usize)
-            .collect();
         let ids: Vec<&Tensor> = sequences.iter().map(|s| s.input.input_ids).collect();
         let positions: Vec<&Tensor> = sequences.iter().map(|s| s.input.positions).collect();
         let mut x = self

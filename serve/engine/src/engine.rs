@@ -8,6 +8,7 @@
 
 use std::time::Instant;
 
+use headway_model::tokenizer::TokenStream;
 use headway_model::{
     check_request, greedy_tokens, CpuPolicy, ForwardInput, Generation, KvCache, Sampler,
     SamplingParams, SequenceForward, StopReason, Target, TreeInput, ROW_KERNEL_MAX_ROWS,
@@ -18,7 +19,6 @@ use crate::acceptance::{accept_greedy, accept_sampled, accept_typical, Acceptanc
 use crate::drafters::{Drafter, Verified};
 use crate::error::Result;
 use crate::tree::DraftTree;
-use headway_model::tokenizer::TokenStream;
 
 /// One verification step's outcome.
 #[derive(Debug, Clone)]
